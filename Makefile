@@ -1,0 +1,33 @@
+# The two commands a user needs: `make demo` and `make test`. Both install what
+# is missing, build the extension, and run.
+PY        ?= python3
+NPROC     ?= 2
+SOURCES   := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') setup.py pyproject.toml
+PYTEST_ARGS ?=
+
+.PHONY: deps build demo test bench clean
+
+# torch: an installed 2.11+ is used as it is; otherwise the pinned CPU build.
+deps:
+	@$(PY) scripts/check_torch.py || $(PY) -m pip install -q torch==2.13.0
+	@$(PY) -c "import pytest, numpy, tqdm, ninja" 2>/dev/null || \
+		$(PY) -m pip install -q pytest numpy tqdm ninja
+
+.build-stamp: $(SOURCES)
+	MAX_JOBS=$(NPROC) $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	@touch $@
+
+build: deps .build-stamp
+
+demo: build
+	$(PY) -m torch.distributed.run --nproc_per_node 2 scripts/demo.py
+
+test: build
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: build
+	$(PY) scripts/bench_collectives.py --nproc 2 --backends ringreduce gloo -b 4K -e 64M -f 4
+	$(PY) scripts/bench_collectives.py --nproc 4 --backends ringreduce gloo -b 4K -e 64M -f 4
+
+clean:
+	rm -rf build *.egg-info torch_ringreduce/_C*.so .build-stamp

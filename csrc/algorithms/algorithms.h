@@ -1,0 +1,53 @@
+// The collective algorithms, over raw buffers. Each works for any element
+// count (0 included), any world size, and keeps every rank in lockstep: even an
+// empty op exchanges headers, so mismatched collectives are caught.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "algorithms/comm.h"
+#include "kernels/reduce_ops.h"
+
+namespace ringreduce {
+
+// Ring reduce-scatter over n blocks (blocks[i], counts[i] elements). On return
+// blocks[rank] holds the reduction of every rank's block `rank`; the others
+// hold partial sums. Moves (n-1)/n of the data per rank.
+void reduceScatterRing(const Comm& c, const std::vector<char*>& blocks,
+                       const std::vector<size_t>& counts, size_t elemSize, ReduceFn fn);
+
+// Ring allgather: blocks[rank] is filled; on return every block is.
+void allgatherRing(const Comm& c, const std::vector<char*>& blocks,
+                   const std::vector<size_t>& counts, size_t elemSize);
+
+// In-place ring allreduce (reduce-scatter + allgather, slice by slice). The
+// result is bitwise identical on every rank: each element is reduced by one
+// rank, in ring order, and copied to the others.
+void allreduceRing(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
+
+// Reduce to root: reduce-scatter, then every rank sends its reduced block to
+// root. Equals allreduce bitwise on the root.
+void reduceRing(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn,
+                int root);
+
+// Pipelined chain broadcast from root around the ring, segment by segment.
+void broadcastChain(const Comm& c, char* data, size_t bytes, int root);
+
+// Direct gather / scatter: root receives (sends) each rank's block at once.
+// blocks[i] has bytes[i] bytes; non-roots use only blocks[rank].
+void gatherDirect(const Comm& c, const std::vector<char*>& blocks,
+                  const std::vector<size_t>& bytes, int root);
+void scatterDirect(const Comm& c, const std::vector<char*>& blocks,
+                   const std::vector<size_t>& bytes, int root);
+
+// Pairwise all-to-all: in step s a rank sends to rank+s and receives from
+// rank-s. sendBlocks[i] goes to rank i; recvBlocks[i] comes from rank i.
+void alltoallPairwise(const Comm& c, const std::vector<const char*>& sendBlocks,
+                      const std::vector<size_t>& sendBytes, const std::vector<char*>& recvBlocks,
+                      const std::vector<size_t>& recvBytes);
+
+// Dissemination barrier: ceil(log2 n) rounds of empty messages.
+void barrierDissemination(const Comm& c);
+
+}  // namespace ringreduce

@@ -1,0 +1,42 @@
+// Pipelined chain broadcast.
+//
+// Ranks form a chain root -> root+1 -> ... -> root-1 around the ring; the
+// buffer is cut into segments. In iteration k a rank receives segment k from
+// its left while forwarding segment k-1 to its right, so after a one-segment
+// fill every link carries data at once. Bytes on the wire per rank: the
+// buffer once (the root and the last rank: once, in one direction).
+#include <algorithm>
+
+#include "algorithms/algorithms.h"
+#include "algorithms/segments.h"
+
+namespace ringreduce {
+
+void broadcastChain(const Comm& c, char* data, size_t bytes, int root) {
+  if (c.size == 1) return;
+  const int pos = mod(c.rank - root, c.size);
+  const int sendTo = pos < c.size - 1 ? c.right() : -1;
+  const int recvFrom = pos > 0 ? c.left() : -1;
+  const size_t seg = std::max<size_t>(1, c.segmentBytes);
+  const size_t segments = sliceCount(bytes, seg);
+  for (size_t k = 0; k <= segments; ++k) {
+    std::vector<SendSpec> sends;
+    std::vector<RecvSpec> recvs;
+    // The root sends segment k; everyone else forwards what arrived last iteration.
+    bool forward = sendTo >= 0 && (pos == 0 ? k < segments : k >= 1);
+    if (forward) {
+      size_t s = pos == 0 ? k : k - 1;
+      Block b = sliceOf(bytes, seg, s);
+      sends.push_back({sendTo, data + b.offset, b.count, s});
+    }
+    if (recvFrom >= 0 && k < segments) {
+      Block b = sliceOf(bytes, seg, k);
+      recvs.push_back({recvFrom, data + b.offset, b.count, k, {}});
+    }
+    if (!sends.empty() || !recvs.empty()) {
+      c.transport.exchange(c.op, sends, recvs);
+    }
+  }
+}
+
+}  // namespace ringreduce

@@ -1,0 +1,33 @@
+// What an algorithm sees: its rank, the world, the op's wire identity and the
+// transport. No sockets, tensors or Python.
+#pragma once
+
+#include <functional>
+
+#include "transport/transport.h"
+
+namespace ringreduce {
+
+struct Comm {
+  Transport& transport;
+  const OpInfo& op;
+  int rank;
+  int size;
+  size_t segmentBytes;  // largest ring message (pipelining unit)
+
+  int left() const { return (rank + size - 1) % size; }
+  int right() const { return (rank + 1) % size; }
+
+  // One step: send to sendPeer while receiving from recvPeer (either may be -1).
+  void sendRecv(int sendPeer, const void* sendData, size_t sendBytes, int recvPeer,
+                void* recvData, size_t recvBytes, uint64_t step,
+                std::function<void(size_t)> onProgress = {}) const {
+    std::vector<SendSpec> sends;
+    std::vector<RecvSpec> recvs;
+    if (sendPeer >= 0) sends.push_back({sendPeer, sendData, sendBytes, step});
+    if (recvPeer >= 0) recvs.push_back({recvPeer, recvData, recvBytes, step, std::move(onProgress)});
+    transport.exchange(op, sends, recvs);
+  }
+};
+
+}  // namespace ringreduce

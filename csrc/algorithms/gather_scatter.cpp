@@ -1,0 +1,67 @@
+// Direct gather and scatter, all-to-all and the barrier.
+//
+// gather/scatter: the root exchanges with every other rank at once (the
+// transport progresses all of them concurrently); a non-root sends or receives
+// one message. Bytes on the wire: (n-1)/n of the root's buffer, through the
+// root. alltoall: n-1 pairwise steps, in step s send to rank+s and receive from
+// rank-s, so every rank sends and receives exactly once per step.
+// barrier: dissemination, in round j signal rank+2^j and wait for rank-2^j;
+// after ceil(log2 n) rounds every rank has heard, transitively, from all.
+#include <cstring>
+
+#include "algorithms/algorithms.h"
+#include "algorithms/segments.h"
+
+namespace ringreduce {
+
+void gatherDirect(const Comm& c, const std::vector<char*>& blocks,
+                  const std::vector<size_t>& bytes, int root) {
+  if (c.size == 1) return;
+  std::vector<SendSpec> sends;
+  std::vector<RecvSpec> recvs;
+  if (c.rank == root) {
+    for (int i = 0; i < c.size; ++i) {
+      if (i != root) recvs.push_back({i, blocks[i], bytes[i], 0, {}});
+    }
+  } else {
+    sends.push_back({root, blocks[c.rank], bytes[c.rank], 0});
+  }
+  c.transport.exchange(c.op, sends, recvs);
+}
+
+void scatterDirect(const Comm& c, const std::vector<char*>& blocks,
+                   const std::vector<size_t>& bytes, int root) {
+  if (c.size == 1) return;
+  std::vector<SendSpec> sends;
+  std::vector<RecvSpec> recvs;
+  if (c.rank == root) {
+    for (int i = 0; i < c.size; ++i) {
+      if (i != root) sends.push_back({i, blocks[i], bytes[i], 0});
+    }
+  } else {
+    recvs.push_back({root, blocks[c.rank], bytes[c.rank], 0, {}});
+  }
+  c.transport.exchange(c.op, sends, recvs);
+}
+
+void alltoallPairwise(const Comm& c, const std::vector<const char*>& sendBlocks,
+                      const std::vector<size_t>& sendBytes, const std::vector<char*>& recvBlocks,
+                      const std::vector<size_t>& recvBytes) {
+  if (recvBytes[c.rank] > 0 && recvBlocks[c.rank] != sendBlocks[c.rank]) {
+    std::memcpy(recvBlocks[c.rank], sendBlocks[c.rank], recvBytes[c.rank]);
+  }
+  for (int s = 1; s < c.size; ++s) {
+    int to = mod(c.rank + s, c.size);
+    int from = mod(c.rank - s, c.size);
+    c.sendRecv(to, sendBlocks[to], sendBytes[to], from, recvBlocks[from], recvBytes[from], s);
+  }
+}
+
+void barrierDissemination(const Comm& c) {
+  uint64_t round = 0;
+  for (int k = 1; k < c.size; k *= 2, ++round) {
+    c.sendRecv(mod(c.rank + k, c.size), nullptr, 0, mod(c.rank - k, c.size), nullptr, 0, round);
+  }
+}
+
+}  // namespace ringreduce

@@ -1,0 +1,285 @@
+// RingBackend collective methods: validate, describe, build the Work, enqueue.
+// The closures stage non-contiguous tensors into contiguous buffers, run an
+// algorithm, and write results back into the caller's tensors.
+#include <numeric>
+
+#include "algorithms/algorithms.h"
+#include "backend/ring_backend.h"
+#include "backend/validate.h"
+
+namespace ringreduce {
+namespace {
+
+using c10d::OpType;
+
+uint8_t wireOp(const c10d::ReduceOp& op) {
+  return static_cast<uint8_t>(op.op_);
+}
+
+// AVG is a SUM followed by one division, the same on every rank.
+void finishAverage(const c10d::ReduceOp& op, const at::Tensor& t, int size) {
+  if (op.op_ == c10d::ReduceOp::AVG) t.div_(size);
+}
+
+std::vector<char*> blocksOf(const std::vector<at::Tensor>& ts) {
+  std::vector<char*> out;
+  for (const auto& t : ts) out.push_back(bytesOf(t));
+  return out;
+}
+
+std::vector<at::Tensor> stagedAll(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(staged(t));
+  return out;
+}
+
+void writeBackAll(const std::vector<at::Tensor>& ts, const std::vector<at::Tensor>& s) {
+  for (size_t i = 0; i < ts.size(); ++i) writeBack(ts[i], s[i]);
+}
+
+// One flat contiguous tensor holding every tensor of the list, in order.
+at::Tensor flatten(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> flat;
+  for (const auto& t : ts) flat.push_back(t.reshape({-1}));
+  return at::cat(flat);
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::AllreduceOptions& opts) {
+  OpContext ctx = nextContext("allreduce", describe(tensors));
+  const at::Tensor t = single(ctx, tensors, "input");
+  ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
+  OpInfo op = makeOp(OpKind::kAllreduce, "allreduce", t, wireOp(opts.reduceOp), t.numel());
+  auto reduceOp = opts.reduceOp;
+  return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE, tensors,
+                 [t, fn, reduceOp](const Comm& c) {
+                   at::Tensor s = staged(t);
+                   allreduceRing(c, bytesOf(s), s.numel(), s.element_size(), fn);
+                   finishAverage(reduceOp, s, c.size);
+                   writeBack(t, s);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  OpContext ctx = nextContext("allreduce_coalesced", describe(tensors));
+  RR_CHECK_VALUE(!tensors.empty(), ctx, "needs at least one tensor");
+  int64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    checkLike(ctx, tensors[i], tensors[0].scalar_type(), tensors[i].numel(),
+              "tensor " + std::to_string(i));
+    total += tensors[i].numel();
+  }
+  ReduceFn fn = checkReduce(ctx, tensors[0].scalar_type(), opts.reduceOp);
+  OpInfo op = makeOp(OpKind::kAllreduce, "allreduce_coalesced", tensors[0],
+                     wireOp(opts.reduceOp), total);
+  auto reduceOp = opts.reduceOp;
+  auto ts = tensors;
+  return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE_COALESCED, tensors,
+                 [ts, fn, reduceOp](const Comm& c) {
+                   at::Tensor flat = flatten(ts);
+                   allreduceRing(c, bytesOf(flat), flat.numel(), flat.element_size(), fn);
+                   finishAverage(reduceOp, flat, c.size);
+                   int64_t offset = 0;
+                   for (const auto& t : ts) {
+                     t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+                     offset += t.numel();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                      const c10d::BroadcastOptions& opts) {
+  OpContext ctx = nextContext("broadcast", describe(tensors));
+  const at::Tensor t = single(ctx, tensors, "input");
+  checkRoot(ctx, opts.rootRank, getSize(), "root rank");
+  RR_CHECK_VALUE(opts.rootTensor == 0, ctx, "rootTensor must be 0, got ", opts.rootTensor);
+  OpInfo op = makeOp(OpKind::kBroadcast, "broadcast", t, kNoReduceOp, t.numel());
+  int root = static_cast<int>(opts.rootRank);
+  return enqueue(std::move(op), opts.timeout, OpType::BROADCAST, tensors,
+                 [t, root](const Comm& c) {
+                   at::Tensor s = staged(t);
+                   broadcastChain(c, bytesOf(s), nbytes(s), root);
+                   writeBack(t, s);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                   const c10d::ReduceOptions& opts) {
+  OpContext ctx = nextContext("reduce", describe(tensors));
+  const at::Tensor t = single(ctx, tensors, "input");
+  checkRoot(ctx, opts.rootRank, getSize(), "root rank");
+  ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
+  OpInfo op = makeOp(OpKind::kReduce, "reduce", t, wireOp(opts.reduceOp), t.numel());
+  int root = static_cast<int>(opts.rootRank);
+  auto reduceOp = opts.reduceOp;
+  return enqueue(std::move(op), opts.timeout, OpType::REDUCE, tensors,
+                 [t, fn, root, reduceOp](const Comm& c) {
+                   // Non-roots work on a copy: their input stays as it was.
+                   at::Tensor s = c.rank == root ? staged(t) : t.contiguous().clone();
+                   reduceRing(c, bytesOf(s), s.numel(), s.element_size(), fn, root);
+                   if (c.rank == root) {
+                     finishAverage(reduceOp, s, c.size);
+                     writeBack(t, s);
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  OpContext ctx = nextContext("allgather", describe(inputs));
+  const at::Tensor in = single(ctx, inputs, "input");
+  RR_CHECK_VALUE(outputs.size() == 1, ctx, "expected one output list, got ", outputs.size());
+  checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
+  OpInfo op = makeOp(OpKind::kAllgather, "allgather", in, kNoReduceOp, in.numel());
+  auto outs = outputs[0];
+  return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER, outs,
+                 [in, outs](const Comm& c) {
+                   auto s = stagedAll(outs);
+                   s[c.rank].view(-1).copy_(in.reshape(-1));
+                   std::vector<size_t> counts(c.size, static_cast<size_t>(in.numel()));
+                   allgatherRing(c, blocksOf(s), counts, in.element_size());
+                   writeBackAll(outs, s);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
+                                                            at::Tensor& input,
+                                                            const c10d::AllgatherOptions& opts) {
+  OpContext ctx = nextContext("allgather_into_tensor", describe(input));
+  checkTensor(ctx, input, "input");
+  checkLike(ctx, output, input.scalar_type(), input.numel() * getSize(),
+            "output (world size x input)");
+  OpInfo op = makeOp(OpKind::kAllgather, "allgather_into_tensor", input, kNoReduceOp,
+                     input.numel());
+  at::Tensor in = input, out = output;
+  return enqueue(std::move(op), opts.timeout, OpType::_ALLGATHER_BASE, {output},
+                 [in, out](const Comm& c) {
+                   at::Tensor s = staged(out);
+                   size_t count = static_cast<size_t>(in.numel());
+                   auto blocks = s.view(-1).split(in.numel());
+                   blocks[c.rank].copy_(in.reshape(-1));
+                   allgatherRing(c, blocksOf(blocks), std::vector<size_t>(c.size, count),
+                                 in.element_size());
+                   writeBack(out, s);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  OpContext ctx = nextContext("allgather_coalesced", describe(inputs));
+  RR_CHECK_VALUE(!inputs.empty(), ctx, "needs at least one input tensor");
+  RR_CHECK_VALUE(outputLists.size() == static_cast<size_t>(getSize()), ctx, "expected ",
+                 getSize(), " output lists (one per rank), got ", outputLists.size());
+  int64_t total = 0;
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    checkLike(ctx, inputs[j], inputs[0].scalar_type(), inputs[j].numel(),
+              "input " + std::to_string(j));
+    total += inputs[j].numel();
+  }
+  for (size_t r = 0; r < outputLists.size(); ++r) {
+    RR_CHECK_VALUE(outputLists[r].size() == inputs.size(), ctx, "output list ", r, " has ",
+                   outputLists[r].size(), " tensors, expected ", inputs.size());
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      checkLike(ctx, outputLists[r][j], inputs[0].scalar_type(), inputs[j].numel(),
+                "output " + std::to_string(r) + "/" + std::to_string(j));
+    }
+  }
+  OpInfo op = makeOp(OpKind::kAllgather, "allgather_coalesced", inputs[0], kNoReduceOp, total);
+  auto ins = inputs;
+  auto outs = outputLists;
+  std::vector<at::Tensor> flatOuts;
+  for (auto& l : outputLists) flatOuts.insert(flatOuts.end(), l.begin(), l.end());
+  return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, flatOuts,
+                 [ins, outs, total](const Comm& c) {
+                   at::Tensor all = at::empty({total * c.size}, ins[0].options());
+                   auto blocks = all.split(total);
+                   blocks[c.rank].copy_(flatten(ins));
+                   allgatherRing(c, blocksOf(blocks),
+                                 std::vector<size_t>(c.size, static_cast<size_t>(total)),
+                                 ins[0].element_size());
+                   for (int r = 0; r < c.size; ++r) {
+                     int64_t offset = 0;
+                     for (const auto& t : outs[r]) {
+                       t.copy_(blocks[r].narrow(0, offset, t.numel()).view(t.sizes()));
+                       offset += t.numel();
+                     }
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                   std::vector<at::Tensor>& inputs,
+                                                   const c10d::GatherOptions& opts) {
+  OpContext ctx = nextContext("gather", describe(inputs));
+  const at::Tensor in = single(ctx, inputs, "input");
+  checkRoot(ctx, opts.rootRank, getSize(), "root rank");
+  int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> outs;
+  if (getRank() == root) {
+    RR_CHECK_VALUE(outputs.size() == 1, ctx, "the root needs one output list, got ",
+                   outputs.size());
+    checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
+    outs = outputs[0];
+  } else {
+    RR_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), ctx,
+                   "only the root (rank ", root, ") takes output tensors");
+  }
+  OpInfo op = makeOp(OpKind::kGather, "gather", in, kNoReduceOp, in.numel());
+  return enqueue(std::move(op), opts.timeout, OpType::GATHER, outs,
+                 [in, outs, root](const Comm& c) {
+                   std::vector<size_t> bytes(c.size, nbytes(in));
+                   if (c.rank != root) {
+                     at::Tensor s = staged(in);
+                     std::vector<char*> blocks(c.size, nullptr);
+                     blocks[c.rank] = bytesOf(s);
+                     gatherDirect(c, blocks, bytes, root);
+                     return;
+                   }
+                   auto s = stagedAll(outs);
+                   s[c.rank].view(-1).copy_(in.reshape(-1));
+                   gatherDirect(c, blocksOf(s), bytes, root);
+                   writeBackAll(outs, s);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                    std::vector<std::vector<at::Tensor>>& inputs,
+                                                    const c10d::ScatterOptions& opts) {
+  OpContext ctx = nextContext("scatter", describe(outputs));
+  const at::Tensor out = single(ctx, outputs, "output");
+  checkRoot(ctx, opts.rootRank, getSize(), "root rank");
+  int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> ins;
+  if (getRank() == root) {
+    RR_CHECK_VALUE(inputs.size() == 1, ctx, "the root needs one input list, got ",
+                   inputs.size());
+    checkList(ctx, inputs[0], getSize(), out.scalar_type(), out.numel(), "input");
+    ins = inputs[0];
+  } else {
+    RR_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), ctx,
+                   "only the root (rank ", root, ") takes input tensors");
+  }
+  OpInfo op = makeOp(OpKind::kScatter, "scatter", out, kNoReduceOp, out.numel());
+  return enqueue(std::move(op), opts.timeout, OpType::SCATTER, outputs,
+                 [ins, out, root](const Comm& c) {
+                   std::vector<size_t> bytes(c.size, nbytes(out));
+                   at::Tensor s = staged(out);
+                   if (c.rank != root) {
+                     std::vector<char*> blocks(c.size, nullptr);
+                     blocks[c.rank] = bytesOf(s);
+                     scatterDirect(c, blocks, bytes, root);
+                   } else {
+                     auto sIn = stagedAll(ins);
+                     scatterDirect(c, blocksOf(sIn), bytes, root);
+                     s.view(-1).copy_(sIn[root].reshape(-1));
+                   }
+                   writeBack(out, s);
+                 });
+}
+
+}  // namespace ringreduce

@@ -1,0 +1,168 @@
+// RingBackend: reduce-scatter and all-to-all.
+#include <numeric>
+
+#include "algorithms/algorithms.h"
+#include "backend/ring_backend.h"
+#include "backend/validate.h"
+
+namespace ringreduce {
+namespace {
+
+// Per-rank byte counts of an all-to-all buffer split along dim 0. Empty splits
+// mean equal parts; otherwise there is one split per rank, summing to size(0).
+std::vector<size_t> splitBytes(const OpContext& ctx, const at::Tensor& t,
+                               const std::vector<int64_t>& splits, int size, const char* what) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  const size_t rowBytes = rows == 0 ? 0 : nbytes(t) / static_cast<size_t>(rows);
+  std::vector<size_t> bytes(size);
+  if (splits.empty()) {
+    RR_CHECK_VALUE(rows % size == 0, ctx, what, " dim 0 (", rows,
+                   ") is not divisible by the world size ", size, " and no splits were given");
+    std::fill(bytes.begin(), bytes.end(), static_cast<size_t>(rows / size) * rowBytes);
+    return bytes;
+  }
+  RR_CHECK_VALUE(splits.size() == static_cast<size_t>(size), ctx, what, " splits have ",
+                 splits.size(), " entries, expected ", size, " (one per rank)");
+  int64_t sum = 0;
+  for (int i = 0; i < size; ++i) {
+    RR_CHECK_VALUE(splits[i] >= 0, ctx, what, " split ", i, " is negative (", splits[i], ")");
+    sum += splits[i];
+    bytes[i] = static_cast<size_t>(splits[i]) * rowBytes;
+  }
+  RR_CHECK_VALUE(sum == rows, ctx, what, " splits sum to ", sum, ", but dim 0 has ", rows,
+                 " rows");
+  return bytes;
+}
+
+std::vector<size_t> offsetsOf(const std::vector<size_t>& bytes) {
+  std::vector<size_t> offsets(bytes.size(), 0);
+  std::partial_sum(bytes.begin(), bytes.end() - 1, offsets.begin() + 1);
+  return offsets;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  OpContext ctx = nextContext("reduce_scatter", describe(outputs));
+  const at::Tensor out = single(ctx, outputs, "output");
+  RR_CHECK_VALUE(inputs.size() == 1, ctx, "expected one input list, got ", inputs.size());
+  checkList(ctx, inputs[0], getSize(), out.scalar_type(), out.numel(), "input");
+  ReduceFn fn = checkReduce(ctx, out.scalar_type(), opts.reduceOp);
+  OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter", out,
+                     static_cast<uint8_t>(opts.reduceOp.op_), out.numel());
+  auto ins = inputs[0];
+  auto reduceOp = opts.reduceOp;
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::REDUCE_SCATTER, outputs,
+                 [ins, out, fn, reduceOp](const Comm& c) {
+                   std::vector<at::Tensor> flat;
+                   for (const auto& t : ins) flat.push_back(t.reshape(-1));
+                   at::Tensor work = at::cat(flat);  // a copy: inputs stay unchanged
+                   auto blocks = work.split(out.numel());
+                   std::vector<char*> ptrs;
+                   for (const auto& b : blocks) ptrs.push_back(bytesOf(b));
+                   reduceScatterRing(c, ptrs,
+                                     std::vector<size_t>(c.size, static_cast<size_t>(out.numel())),
+                                     out.element_size(), fn);
+                   if (reduceOp.op_ == c10d::ReduceOp::AVG) blocks[c.rank].div_(c.size);
+                   out.copy_(blocks[c.rank].view(out.sizes()));
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  OpContext ctx = nextContext("reduce_scatter_tensor", describe(input));
+  checkTensor(ctx, output, "output");
+  checkLike(ctx, input, output.scalar_type(), output.numel() * getSize(),
+            "input (world size x output)");
+  ReduceFn fn = checkReduce(ctx, output.scalar_type(), opts.reduceOp);
+  OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor", output,
+                     static_cast<uint8_t>(opts.reduceOp.op_), output.numel());
+  at::Tensor in = input, out = output;
+  auto reduceOp = opts.reduceOp;
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                 [in, out, fn, reduceOp](const Comm& c) {
+                   at::Tensor work = in.reshape(-1).clone();  // inputs stay unchanged
+                   auto blocks = work.split(out.numel());
+                   std::vector<char*> ptrs;
+                   for (const auto& b : blocks) ptrs.push_back(bytesOf(b));
+                   reduceScatterRing(c, ptrs,
+                                     std::vector<size_t>(c.size, static_cast<size_t>(out.numel())),
+                                     out.element_size(), fn);
+                   if (reduceOp.op_ == c10d::ReduceOp::AVG) blocks[c.rank].div_(c.size);
+                   out.copy_(blocks[c.rank].view(out.sizes()));
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                          std::vector<int64_t>& outputSplits,
+                                                          std::vector<int64_t>& inputSplits,
+                                                          const c10d::AllToAllOptions& opts) {
+  OpContext ctx = nextContext("alltoall_base", describe(input));
+  checkTensor(ctx, input, "input");
+  checkTensor(ctx, output, "output");
+  RR_CHECK_VALUE(input.scalar_type() == output.scalar_type(), ctx, "output dtype ",
+                 dtypeName(output.scalar_type()), " differs from input dtype ",
+                 dtypeName(input.scalar_type()));
+  auto sendBytes = splitBytes(ctx, input, inputSplits, getSize(), "input");
+  auto recvBytes = splitBytes(ctx, output, outputSplits, getSize(), "output");
+  RR_CHECK_VALUE(sendBytes[getRank()] == recvBytes[getRank()], ctx, "this rank sends itself ",
+                 sendBytes[getRank()], " bytes but expects ", recvBytes[getRank()]);
+  // Per-peer sizes differ legitimately, so `total` is unchecked; the header's
+  // byte count still catches splits that disagree across ranks.
+  OpInfo op = makeOp(OpKind::kAlltoall, "alltoall_base", input, kNoReduceOp, kUnchecked);
+  at::Tensor in = input, out = output;
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL_BASE, {output},
+                 [in, out, sendBytes, recvBytes](const Comm& c) {
+                   at::Tensor sIn = staged(in), sOut = staged(out);
+                   auto sendOff = offsetsOf(sendBytes), recvOff = offsetsOf(recvBytes);
+                   std::vector<const char*> sendPtrs;
+                   std::vector<char*> recvPtrs;
+                   for (int i = 0; i < c.size; ++i) {
+                     sendPtrs.push_back(bytesOf(sIn) + sendOff[i]);
+                     recvPtrs.push_back(bytesOf(sOut) + recvOff[i]);
+                   }
+                   alltoallPairwise(c, sendPtrs, sendBytes, recvPtrs, recvBytes);
+                   writeBack(out, sOut);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllToAllOptions& opts) {
+  OpContext ctx = nextContext("alltoall", describe(inputs));
+  RR_CHECK_VALUE(inputs.size() == static_cast<size_t>(getSize()) &&
+                     outputs.size() == static_cast<size_t>(getSize()),
+                 ctx, "expected ", getSize(), " input and output tensors (one per rank), got ",
+                 inputs.size(), " and ", outputs.size());
+  std::vector<size_t> sendBytes, recvBytes;
+  for (int i = 0; i < getSize(); ++i) {
+    checkLike(ctx, inputs[i], inputs[0].scalar_type(), inputs[i].numel(),
+              "input " + std::to_string(i));
+    checkLike(ctx, outputs[i], inputs[0].scalar_type(), outputs[i].numel(),
+              "output " + std::to_string(i));
+    sendBytes.push_back(nbytes(inputs[i]));
+    recvBytes.push_back(nbytes(outputs[i]));
+  }
+  RR_CHECK_VALUE(inputs[getRank()].numel() == outputs[getRank()].numel(), ctx,
+                 "input and output ", getRank(), " (this rank's own) differ in size");
+  OpInfo op = makeOp(OpKind::kAlltoall, "alltoall", inputs[0], kNoReduceOp, kUnchecked);
+  auto ins = inputs, outs = outputs;
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL, outputs,
+                 [ins, outs, sendBytes, recvBytes](const Comm& c) {
+                   std::vector<at::Tensor> sIn, sOut;
+                   std::vector<const char*> sendPtrs;
+                   std::vector<char*> recvPtrs;
+                   for (int i = 0; i < c.size; ++i) {
+                     sIn.push_back(staged(ins[i]));
+                     sOut.push_back(staged(outs[i]));
+                     sendPtrs.push_back(bytesOf(sIn[i]));
+                     recvPtrs.push_back(bytesOf(sOut[i]));
+                   }
+                   alltoallPairwise(c, sendPtrs, sendBytes, recvPtrs, recvBytes);
+                   for (int i = 0; i < c.size; ++i) writeBack(outs[i], sOut[i]);
+                 });
+}
+
+}  // namespace ringreduce

@@ -1,0 +1,211 @@
+// RingBackend: construction, the FIFO worker, shutdown, point-to-point and the
+// barrier. The other collectives are in collectives.cpp.
+#include "backend/ring_backend.h"
+
+#include "algorithms/algorithms.h"
+#include "backend/validate.h"
+#include "common/env.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace ringreduce {
+namespace {
+
+constexpr int64_t kDefaultSegmentBytes = 1 << 20;
+
+}  // namespace
+
+RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                         std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size), timeout_(timeout) {
+  TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "[ringreduce] invalid rank ", rank,
+                    " for world size ", size);
+  int64_t segment = envInt(kEnvSegmentBytes, kDefaultSegmentBytes);
+  TORCH_CHECK_VALUE(segment >= 64, "[ringreduce] ", kEnvSegmentBytes, "=", segment,
+                    " is too small (at least 64 bytes)");
+  segmentBytes_ = static_cast<size_t>(segment);
+  transport_ = std::make_unique<tcp::TcpTransport>(store, rank, size, timeout);
+  worker_ = std::thread([this] { workerLoop(); });
+}
+
+RingBackend::~RingBackend() {
+  shutdown();
+}
+
+void RingBackend::shutdown() {
+  std::deque<Entry> dropped;
+  bool busy;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && !worker_.joinable()) return;
+    stopping_ = true;
+    dropped.swap(queue_);
+    busy = running_;
+  }
+  cv_.notify_all();
+  std::string why = rankPrefix(getRank(), getSize()) +
+                    " the process group was shut down (destroy_process_group) with " +
+                    std::to_string(dropped.size() + (busy ? 1 : 0)) + " op(s) pending";
+  if (busy || !dropped.empty()) {
+    transport_->abort(why);  // unblocks the op in flight; peers learn at once
+  }
+  for (auto& e : dropped) {
+    e.work->fail(transportError(e.op.ctx.message(why)));
+  }
+  if (worker_.joinable()) worker_.join();
+  transport_->close();
+}
+
+void RingBackend::abort() {
+  transport_->abort(rankPrefix(getRank(), getSize()) + " abort() was called");
+  shutdown();
+}
+
+std::chrono::milliseconds RingBackend::effective(std::chrono::milliseconds opTimeout) const {
+  return opTimeout == c10d::kUnsetTimeout ? timeout_ : opTimeout;
+}
+
+OpContext RingBackend::nextContext(const char* name, const std::string& tensor) const {
+  return OpContext{getRank(), getSize(), name, seq_ + 1, tensor};
+}
+
+OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
+                           uint64_t total) {
+  OpInfo op;
+  std::lock_guard<std::mutex> lock(mu_);
+  op.ctx = OpContext{getRank(), getSize(), name, ++seq_, t.defined() ? describe(t) : ""};
+  op.kind = kind;
+  op.dtype = t.defined() ? static_cast<uint8_t>(t.scalar_type()) : 0;
+  op.reduceOp = reduceOp;
+  op.total = total;
+  return op;
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
+                                                    c10d::OpType type,
+                                                    std::vector<at::Tensor> outputs, Job run) {
+  auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) {
+      work->fail(transportError(op.ctx.message("the process group was shut down")));
+      return work;
+    }
+    queue_.push_back({std::move(op), effective(opTimeout), work, std::move(run)});
+  }
+  cv_.notify_one();
+  return work;
+}
+
+void RingBackend::workerLoop() {
+  while (true) {
+    Entry e;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      e = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = true;
+    }
+    e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
+    Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_};
+    try {
+      e.run(comm);
+      e.work->complete();
+    } catch (...) {
+      e.work->fail(std::current_exception());
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+  }
+}
+
+uint64_t RingBackend::getSequenceNumberForGroup() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seq_;
+}
+
+std::string RingBackend::listenAddress() const {
+  return transport_->listenAddress();
+}
+
+std::vector<std::string> RingBackend::refusedConnections() const {
+  return transport_->refusedConnections();
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::barrier(const c10d::BarrierOptions& opts) {
+  OpInfo op = makeOp(OpKind::kBarrier, "barrier", at::Tensor(), kNoReduceOp, 0);
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::BARRIER, {},
+                 [](const Comm& c) { barrierDissemination(c); });
+}
+
+// ---- point-to-point -------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
+                                                 int tag) {
+  OpContext ctx{getRank(), getSize(), "send", p2pSeq_ + 1, describe(tensors)};
+  const at::Tensor& t = single(ctx, tensors, "send");
+  checkRoot(ctx, dstRank, getSize(), "destination rank");
+  RR_CHECK_VALUE(dstRank != getRank(), ctx, "a rank cannot send to itself");
+  OpInfo op;
+  op.ctx = OpContext{getRank(), getSize(), "send", ++p2pSeq_,
+                     describe(t) + " to rank " + std::to_string(dstRank) + " tag " +
+                         std::to_string(tag)};
+  op.kind = OpKind::kSend;
+  op.dtype = static_cast<uint8_t>(t.scalar_type());
+  op.deadline = std::chrono::steady_clock::now() + timeout_;
+  auto work = c10::make_intrusive<RingWork>(op.ctx, c10d::OpType::SEND, tensors);
+  at::Tensor s = staged(t);  // kept alive by the callback until sent
+  transport_->postSend(op, dstRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
+                       [work, s](int, std::exception_ptr err) {
+                         err ? work->fail(err) : work->complete();
+                       });
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                                 int tag) {
+  OpContext ctx{getRank(), getSize(), "recv", p2pSeq_ + 1, describe(tensors)};
+  checkRoot(ctx, srcRank, getSize(), "source rank");
+  RR_CHECK_VALUE(srcRank != getRank(), ctx, "a rank cannot receive from itself");
+  return postRecv(tensors, srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                          int tag) {
+  return postRecv(tensors, -1, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& tensors,
+                                                     int srcRank, int tag) {
+  OpContext ctx{getRank(), getSize(), "recv", p2pSeq_ + 1, describe(tensors)};
+  const at::Tensor& t = single(ctx, tensors, "recv");
+  RR_CHECK_VALUE(getSize() > 1, ctx, "no peer to receive from in a group of one");
+  std::string from = srcRank < 0 ? "any rank" : "rank " + std::to_string(srcRank);
+  OpInfo op;
+  op.ctx = OpContext{getRank(), getSize(), "recv", ++p2pSeq_,
+                     describe(t) + " from " + from + " tag " + std::to_string(tag)};
+  op.kind = OpKind::kSend;
+  op.dtype = static_cast<uint8_t>(t.scalar_type());
+  op.deadline = std::chrono::steady_clock::now() + timeout_;
+  auto type = srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV;
+  auto work = c10::make_intrusive<RingWork>(op.ctx, type, tensors);
+  at::Tensor s = staged(t);
+  transport_->postRecv(op, srcRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
+                       [work, s, t](int source, std::exception_ptr err) {
+                         if (err) {
+                           work->fail(err);
+                           return;
+                         }
+                         try {
+                           writeBack(t, s);
+                         } catch (...) {
+                           work->fail(std::current_exception());
+                           return;
+                         }
+                         work->complete(source);
+                       });
+  return work;
+}
+
+}  // namespace ringreduce

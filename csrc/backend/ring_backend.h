@@ -1,0 +1,127 @@
+// RingBackend: the c10d::Backend behind backend="ringreduce".
+//
+// Each collective method validates its arguments on the calling thread (bad
+// input raises at once, naming rank, op and tensor), builds a RingWork and
+// enqueues a closure on the one FIFO worker thread, which runs the algorithms
+// over the transport in issue order. Every rank issues collectives in the same
+// order, so the per-op sequence number names an op across ranks. Point-to-point
+// ops bypass the queue and go straight to the transport's p2p engine.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "algorithms/comm.h"
+#include "backend/ring_work.h"
+#include "transport/transport.h"
+
+namespace ringreduce {
+
+namespace tcp {
+class TcpTransport;
+}
+
+class RingBackend : public c10d::Backend {
+ public:
+  RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+              std::chrono::milliseconds timeout);
+  ~RingBackend() override;
+
+  const std::string getBackendName() const override { return "ringreduce"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override;
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  // Fails pending ops, stops the worker, closes sockets. Idempotent.
+  void shutdown() override;
+  void abort() override;
+
+  std::string listenAddress() const;
+  std::vector<std::string> refusedConnections() const;
+
+ private:
+  using Job = std::function<void(const Comm&)>;
+  struct Entry {
+    OpInfo op;
+    std::chrono::milliseconds timeout;
+    c10::intrusive_ptr<RingWork> work;
+    Job run;
+  };
+
+  // The context of the next collective (for validation messages).
+  OpContext nextContext(const char* name, const std::string& tensor) const;
+  // Builds the wire identity of a collective and consumes a sequence number.
+  OpInfo makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
+                uint64_t total);
+  c10::intrusive_ptr<c10d::Work> enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
+                                         c10d::OpType type, std::vector<at::Tensor> outputs,
+                                         Job run);
+  c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
+                                          int tag);
+  std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;
+  void workerLoop();
+
+  std::unique_ptr<tcp::TcpTransport> transport_;
+  std::chrono::milliseconds timeout_;
+  size_t segmentBytes_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Entry> queue_;
+  bool stopping_ = false;
+  bool running_ = false;  // the worker is inside an op
+  uint64_t seq_ = 0;      // last collective sequence number issued
+  uint64_t p2pSeq_ = 0;
+  std::thread worker_;
+};
+
+}  // namespace ringreduce

@@ -1,0 +1,80 @@
+#include "backend/ring_work.h"
+
+#include <ATen/core/jit_type.h>
+
+namespace ringreduce {
+
+RingWork::RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs)
+    : c10d::Work(ctx.rank, type),
+      ctx_(std::move(ctx)),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+bool RingWork::isCompleted() {
+  std::lock_guard<std::mutex> lock(doneMu_);
+  return done_;
+}
+
+bool RingWork::isSuccess() const {
+  std::lock_guard<std::mutex> lock(doneMu_);
+  return done_ && !error_;
+}
+
+std::exception_ptr RingWork::exception() const {
+  std::lock_guard<std::mutex> lock(doneMu_);
+  return error_;
+}
+
+int RingWork::sourceRank() const {
+  std::lock_guard<std::mutex> lock(doneMu_);
+  return sourceRank_;
+}
+
+std::vector<at::Tensor> RingWork::result() {
+  return outputs_;
+}
+
+bool RingWork::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(doneMu_);
+  if (timeout == kNoTimeout) {
+    doneCv_.wait(lock, [this] { return done_; });
+  } else if (!doneCv_.wait_for(lock, timeout, [this] { return done_; })) {
+    throwTransportError(ctx_.message("wait() timed out after " + std::to_string(timeout.count()) +
+                                     " ms; the op is still running"));
+  }
+  if (error_) {
+    std::rethrow_exception(error_);
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> RingWork::getFuture() {
+  return future_;
+}
+
+uint64_t RingWork::getSequencenumber() const {
+  return ctx_.seq;
+}
+
+void RingWork::complete(int sourceRank) {
+  {
+    std::lock_guard<std::mutex> lock(doneMu_);
+    done_ = true;
+    sourceRank_ = sourceRank;
+  }
+  doneCv_.notify_all();
+  future_->markCompleted(c10::IValue(outputs_));
+}
+
+void RingWork::fail(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(doneMu_);
+    done_ = true;
+    error_ = error;
+  }
+  doneCv_.notify_all();
+  future_->setError(error);
+}
+
+}  // namespace ringreduce

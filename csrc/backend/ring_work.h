@@ -1,0 +1,44 @@
+// The Work a collective returns. It is always completed, with the error if the
+// op failed; its future's value is the output tensor list (DDP reads it).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <mutex>
+
+#include "common/errors.h"
+
+namespace ringreduce {
+
+class RingWork : public c10d::Work {
+ public:
+  RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  // Blocks until done (or the timeout passes: then throws, the op keeps
+  // running) and rethrows the op's error.
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  uint64_t getSequencenumber() const override;
+
+  // Called once, by the thread that ran the op.
+  void complete(int sourceRank = -1);
+  void fail(std::exception_ptr error);
+
+ private:
+  const OpContext ctx_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  mutable std::mutex doneMu_;
+  std::condition_variable doneCv_;
+  bool done_ = false;
+  int sourceRank_ = -1;
+  std::exception_ptr error_;
+};
+
+}  // namespace ringreduce

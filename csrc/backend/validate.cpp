@@ -1,0 +1,66 @@
+#include "backend/validate.h"
+
+namespace ringreduce {
+
+void checkTensor(const OpContext& ctx, const at::Tensor& t, const std::string& what) {
+  RR_CHECK_VALUE(t.defined(), ctx, what, " is an undefined tensor");
+  RR_CHECK_VALUE(t.layout() == at::kStrided, ctx, what, " must be dense, got ", describe(t),
+                 " (sparse tensors are not supported)");
+  RR_CHECK_VALUE(!t.is_cuda(), ctx, what, " is ", describe(t),
+                 ": CUDA tensors need the CUDA build of torch_ringreduce (not built here)");
+  RR_CHECK_VALUE(t.device().is_cpu(), ctx, what, " must be a CPU tensor, got ", describe(t));
+  std::string why;
+  bool known = reduceFunction(t.scalar_type(), c10d::ReduceOp::SUM, &why) != nullptr ||
+               t.scalar_type() == c10::kBool;
+  RR_CHECK_VALUE(known, ctx, what, " has unsupported dtype ", dtypeName(t.scalar_type()));
+}
+
+const at::Tensor& single(const OpContext& ctx, const std::vector<at::Tensor>& ts,
+                         const std::string& what) {
+  RR_CHECK_VALUE(ts.size() == 1, ctx, "expected exactly one ", what, " tensor, got ",
+                 ts.size(), " ", describe(ts));
+  checkTensor(ctx, ts[0], what);
+  return ts[0];
+}
+
+void checkLike(const OpContext& ctx, const at::Tensor& t, c10::ScalarType dtype, int64_t numel,
+               const std::string& what) {
+  checkTensor(ctx, t, what);
+  RR_CHECK_VALUE(t.scalar_type() == dtype, ctx, what, " has dtype ", dtypeName(t.scalar_type()),
+                 ", expected ", dtypeName(dtype), " (", describe(t), ")");
+  RR_CHECK_VALUE(t.numel() == numel, ctx, what, " has ", t.numel(), " elements, expected ",
+                 numel, " (", describe(t), ")");
+}
+
+void checkList(const OpContext& ctx, const std::vector<at::Tensor>& ts, size_t n,
+               c10::ScalarType dtype, int64_t numel, const std::string& what) {
+  RR_CHECK_VALUE(ts.size() == n, ctx, what, " list has ", ts.size(), " tensors, expected ", n,
+                 " (one per rank)");
+  for (size_t i = 0; i < ts.size(); ++i) {
+    checkLike(ctx, ts[i], dtype, numel, what + " tensor " + std::to_string(i));
+  }
+}
+
+void checkRoot(const OpContext& ctx, int64_t root, int size, const char* name) {
+  RR_CHECK_VALUE(root >= 0 && root < size, ctx, "invalid ", name, " ", root,
+                 ": must be in [0, ", size, ")");
+}
+
+ReduceFn checkReduce(const OpContext& ctx, c10::ScalarType dtype, const c10d::ReduceOp& op) {
+  std::string why;
+  ReduceFn fn = reduceFunction(dtype, op.op_, &why);
+  RR_CHECK_VALUE(fn != nullptr, ctx, why);
+  return fn;
+}
+
+at::Tensor staged(const at::Tensor& t) {
+  return t.is_contiguous() ? t : t.contiguous();
+}
+
+void writeBack(const at::Tensor& t, const at::Tensor& s) {
+  if (!s.is_same(t)) {
+    t.copy_(s.view(t.sizes()));
+  }
+}
+
+}  // namespace ringreduce

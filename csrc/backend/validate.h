@@ -1,0 +1,42 @@
+// Argument checks and staging shared by the collective methods. Every check
+// throws ValueError/RuntimeError naming rank, op and the tensor at fault.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "kernels/reduce_ops.h"
+
+namespace ringreduce {
+
+// A defined, dense CPU tensor of a supported dtype.
+void checkTensor(const OpContext& ctx, const at::Tensor& t, const std::string& what);
+// Exactly one tensor (c10d's multi-tensor-per-process form is not supported).
+const at::Tensor& single(const OpContext& ctx, const std::vector<at::Tensor>& ts,
+                         const std::string& what);
+// t is checkTensor-valid, has `dtype` and `numel` elements.
+void checkLike(const OpContext& ctx, const at::Tensor& t, c10::ScalarType dtype, int64_t numel,
+               const std::string& what);
+// A list of exactly `n` tensors, each like (dtype, numel).
+void checkList(const OpContext& ctx, const std::vector<at::Tensor>& ts, size_t n,
+               c10::ScalarType dtype, int64_t numel, const std::string& what);
+void checkRoot(const OpContext& ctx, int64_t root, int size, const char* name);
+// The kernel for (dtype, op), or a ValueError saying why there is none.
+ReduceFn checkReduce(const OpContext& ctx, c10::ScalarType dtype, const c10d::ReduceOp& op);
+
+// t itself when contiguous, else a contiguous copy to run the op on.
+at::Tensor staged(const at::Tensor& t);
+// Copies the result back into the caller's tensor when `s` is a copy.
+void writeBack(const at::Tensor& t, const at::Tensor& s);
+inline char* bytesOf(const at::Tensor& t) {
+  return static_cast<char*>(t.data_ptr());
+}
+inline size_t nbytes(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel()) * t.element_size();
+}
+
+}  // namespace ringreduce

@@ -1,0 +1,23 @@
+// Environment configuration. Every variable the project reads is listed here
+// (and in README.md).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace ringreduce {
+
+// RINGREDUCE_SOCKET_IFNAME: network interface whose IPv4 address peers connect to.
+constexpr const char* kEnvIfname = "RINGREDUCE_SOCKET_IFNAME";
+// RINGREDUCE_SOCKET_ADDR: explicit IPv4 address to listen on and advertise.
+constexpr const char* kEnvAddr = "RINGREDUCE_SOCKET_ADDR";
+// RINGREDUCE_SEGMENT_BYTES: largest message of a ring step (pipelining unit).
+constexpr const char* kEnvSegmentBytes = "RINGREDUCE_SEGMENT_BYTES";
+// RINGREDUCE_DEBUG=1: log connection set-up and aborts to stderr.
+constexpr const char* kEnvDebug = "RINGREDUCE_DEBUG";
+
+std::string envString(const char* name, const std::string& fallback);
+int64_t envInt(const char* name, int64_t fallback);
+bool debugEnabled();
+
+}  // namespace ringreduce

@@ -1,0 +1,27 @@
+// Elementwise reduction kernels used by the ring algorithms (CPU).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstddef>
+#include <string>
+
+namespace ringreduce {
+
+// Contract: dst[i] = op(dst[i], src[i]) for i in [0, count). dst and src are
+// element-aligned arrays of the same dtype and do not overlap. Floating 16-bit
+// types are combined in float32 and rounded once per element. Integer SUM and
+// PRODUCT wrap around. bool: SUM/MAX/BOR = or, PRODUCT/MIN/BAND = and, BXOR = xor.
+using ReduceFn = void (*)(void* dst, const void* src, size_t count);
+
+// The kernel for (dtype, op), or nullptr with *why set when the pair makes no
+// sense (bitwise ops on floats, MIN/MAX on complex, PREMUL_SUM, ...). AVG maps
+// to the SUM kernel: the caller divides once at the end.
+ReduceFn reduceFunction(c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                        std::string* why);
+
+// Human name of a reduce op: "SUM", "AVG", ...
+const char* reduceOpName(c10d::ReduceOp::RedOpType op);
+
+}  // namespace ringreduce

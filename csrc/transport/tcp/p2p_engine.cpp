@@ -1,0 +1,344 @@
+// P2PEngine: an event loop over the p2p sockets.
+//
+// Sends to one peer go out in post order (header + payload per message).
+// Receives match incoming messages by (source, tag) in post order, MPI-style:
+// the engine reads a message's header only when some posted receive could take
+// that peer, and leaves a header with no matching receive waiting (no
+// unbounded buffering). A receive whose size or dtype does not match fails
+// alone and its payload is drained, so the connection stays usable. A broken
+// connection or a half-transferred timeout is fatal for the whole transport.
+#include "transport/tcp/p2p_engine.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "transport/tcp/socket.h"
+
+namespace ringreduce {
+namespace tcp {
+namespace {
+
+bool retryable() {
+  return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+}
+
+}  // namespace
+
+P2PEngine::P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::string> addrs,
+                     std::function<void(const std::string&)> onFatal)
+    : rank_(rank),
+      size_(size),
+      fds_(std::move(fds)),
+      addrs_(std::move(addrs)),
+      onFatal_(std::move(onFatal)),
+      sends_(size),
+      incoming_(size),
+      sendSeq_(size, 0) {
+  TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, rankPrefix(rank, size),
+              " pipe2 failed: ", std::strerror(errno));
+  thread_ = std::thread([this] { loop(); });
+}
+
+P2PEngine::~P2PEngine() {
+  stop();
+}
+
+void P2PEngine::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  wake();
+  if (thread_.joinable()) thread_.join();
+  for (int& fd : wakePipe_) {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+}
+
+void P2PEngine::wake() {
+  char c = 0;
+  if (wakePipe_[1] >= 0) (void)!::write(wakePipe_[1], &c, 1);
+}
+
+void P2PEngine::postSend(const OpInfo& op, int peer, uint64_t tag, const void* data,
+                         size_t bytes, P2PCallback done) {
+  std::string failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed = failed_;
+    if (failed.empty()) {
+      WireHeader h{kWireMagic, static_cast<uint8_t>(OpKind::kSend), op.dtype, kNoReduceOp, 0,
+                   sendSeq_[peer]++, kUnchecked, tag, bytes};
+      sends_[peer].push_back({op, h, static_cast<const char*>(data), 0, std::move(done)});
+    }
+  }
+  if (!failed.empty()) {
+    done(peer, transportError(op.ctx.message("the group is no longer usable: " + failed)));
+    return;
+  }
+  wake();
+}
+
+void P2PEngine::postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, size_t bytes,
+                         P2PCallback done) {
+  std::string failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed = failed_;
+    if (failed.empty()) {
+      recvs_.push_back({op, peer, tag, static_cast<char*>(data), bytes, std::move(done)});
+    }
+  }
+  if (!failed.empty()) {
+    done(peer, transportError(op.ctx.message("the group is no longer usable: " + failed)));
+    return;
+  }
+  wake();
+}
+
+void P2PEngine::abort(const std::string& reason) {
+  std::vector<Completion> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failAll(reason, done);
+  }
+  for (auto& [cb, args] : done) cb(args.first, args.second);
+  wake();
+}
+
+void P2PEngine::failAll(const std::string& reason, std::vector<Completion>& done) {
+  if (failed_.empty()) failed_ = reason;
+  for (int peer = 0; peer < size_; ++peer) {
+    for (auto& s : sends_[peer]) {
+      done.push_back({std::move(s.cb), {peer, transportError(s.op.ctx.message(
+                                                  "the group is no longer usable: " + reason))}});
+    }
+    sends_[peer].clear();
+    incoming_[peer] = Incoming{};
+  }
+  for (auto& r : recvs_) {
+    done.push_back({std::move(r.cb), {r.peer, transportError(r.op.ctx.message(
+                                                  "the group is no longer usable: " + reason))}});
+  }
+  recvs_.clear();
+}
+
+void P2PEngine::fatal(const std::string& reason, std::vector<Completion>& done) {
+  if (fatal_.empty() && failed_.empty()) fatal_ = reason;
+  failAll(reason, done);
+}
+
+bool P2PEngine::wantsRead(int peer) const {
+  const Incoming& in = incoming_[peer];
+  if (in.headerDone == sizeof(WireHeader)) return in.matched || in.draining;
+  if (in.headerDone > 0) return true;
+  for (const auto& r : recvs_) {
+    if (r.peer == peer || r.peer == -1) return true;
+  }
+  return false;
+}
+
+void P2PEngine::matchHeader(int peer, std::vector<Completion>& done) {
+  Incoming& in = incoming_[peer];
+  const WireHeader& h = in.header;
+  if (h.magic != kWireMagic || h.kind != static_cast<uint8_t>(OpKind::kSend)) {
+    fatal(rankPrefix(rank_, size_) + " protocol error on the p2p connection from rank " +
+              std::to_string(peer) + " (" + addrs_[peer] + "): bad message header",
+          done);
+    return;
+  }
+  for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
+    if ((it->peer != peer && it->peer != -1) || it->tag != h.step) continue;
+    std::string what;
+    if (h.bytes != it->bytes) {
+      what = "byte count mismatch: got " + std::to_string(h.bytes) + ", expected " +
+             std::to_string(it->bytes);
+    } else if (h.dtype != it->op.dtype) {
+      what = "dtype mismatch: the sender sent " +
+             dtypeName(static_cast<c10::ScalarType>(h.dtype));
+    }
+    if (!what.empty()) {
+      done.push_back({std::move(it->cb),
+                      {peer, transportError(it->op.ctx.message(
+                                 "from rank " + std::to_string(peer) + " tag " +
+                                 std::to_string(h.step) + ": " + what))}});
+      recvs_.erase(it);
+      in.draining = true;
+    } else {
+      in.match = it;
+      in.matched = true;
+    }
+    return;
+  }
+}
+
+void P2PEngine::readFrom(int peer, std::vector<Completion>& done) {
+  Incoming& in = incoming_[peer];
+  char scratch[64 * 1024];
+  while (true) {
+    bool inHeader = in.headerDone < sizeof(WireHeader);
+    if (!inHeader && !in.matched && !in.draining) return;  // waiting for a matching recv
+    size_t remaining = inHeader ? sizeof(WireHeader) - in.headerDone : in.header.bytes - in.dataDone;
+    if (!inHeader && remaining == 0) {
+      if (in.matched) {
+        done.push_back({std::move(in.match->cb), {peer, nullptr}});
+        recvs_.erase(in.match);
+      }
+      in = Incoming{};
+      if (!wantsRead(peer)) return;
+      continue;
+    }
+    char* dst = inHeader ? reinterpret_cast<char*>(&in.header) + in.headerDone
+                         : (in.matched ? in.match->data + in.dataDone : scratch);
+    size_t want = in.draining ? std::min(remaining, sizeof(scratch)) : remaining;
+    ssize_t r = ::recv(fds_[peer], dst, want, MSG_DONTWAIT);
+    if (r == 0 || (r < 0 && !retryable())) {
+      std::string why = r == 0 ? "connection closed by the peer (it exited or aborted)"
+                               : std::strerror(errno);
+      fatal(rankPrefix(rank_, size_) + " p2p connection with rank " + std::to_string(peer) +
+                " (" + addrs_[peer] + "): " + why,
+            done);
+      return;
+    }
+    if (r < 0) return;
+    if (inHeader) {
+      in.headerDone += static_cast<size_t>(r);
+      if (in.headerDone == sizeof(WireHeader)) matchHeader(peer, done);
+    } else {
+      in.dataDone += static_cast<size_t>(r);
+    }
+  }
+}
+
+void P2PEngine::writeTo(int peer, std::vector<Completion>& done) {
+  auto& queue = sends_[peer];
+  while (!queue.empty()) {
+    Send& s = queue.front();
+    size_t total = sizeof(WireHeader) + s.header.bytes;
+    iovec iov[2];
+    int n = 0;
+    if (s.done < sizeof(WireHeader)) {
+      iov[n++] = {reinterpret_cast<char*>(&s.header) + s.done, sizeof(WireHeader) - s.done};
+      iov[n++] = {const_cast<char*>(s.data), s.header.bytes};
+    } else {
+      iov[n++] = {const_cast<char*>(s.data) + (s.done - sizeof(WireHeader)), total - s.done};
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n;
+    ssize_t r = total == s.done ? 0 : sendmsg(fds_[peer], &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r < 0) {
+      if (retryable()) return;
+      fatal(s.op.ctx.message("send to rank " + std::to_string(peer) + " (" + addrs_[peer] +
+                             ") failed: " + std::strerror(errno)),
+            done);
+      return;
+    }
+    s.done += static_cast<size_t>(r);
+    if (s.done < total) return;
+    done.push_back({std::move(s.cb), {peer, nullptr}});
+    queue.pop_front();
+  }
+}
+
+void P2PEngine::expire(std::vector<Completion>& done) {
+  const auto now = Clock::now();
+  for (int peer = 0; peer < size_; ++peer) {
+    auto& queue = sends_[peer];
+    if (!queue.empty() && queue.front().op.deadline <= now) {
+      fatal(queue.front().op.ctx.message("send to rank " + std::to_string(peer) +
+                                         " timed out after sending " +
+                                         std::to_string(queue.front().done) + " of " +
+                                         std::to_string(sizeof(WireHeader) +
+                                                        queue.front().header.bytes) +
+                                         " bytes (with header)"),
+            done);
+      return;
+    }
+  }
+  for (auto it = recvs_.begin(); it != recvs_.end();) {
+    bool inFlight = false;
+    for (const auto& in : incoming_) inFlight |= in.matched && in.match == it;
+    if (it->op.deadline > now) {
+      ++it;
+    } else if (inFlight) {
+      fatal(it->op.ctx.message("recv timed out in the middle of a message"), done);
+      return;
+    } else {
+      std::string from = it->peer < 0 ? "any rank" : "rank " + std::to_string(it->peer);
+      done.push_back({std::move(it->cb), {it->peer, transportError(it->op.ctx.message(
+                                                        "timed out waiting for a message from " +
+                                                        from + " with tag " +
+                                                        std::to_string(it->tag)))}});
+      it = recvs_.erase(it);
+    }
+  }
+}
+
+void P2PEngine::loop() {
+  std::vector<pollfd> pfds;
+  std::vector<int> peers;
+  while (true) {
+    std::vector<Completion> done;
+    std::string fatalReason;
+    bool stopping;
+    int timeoutMs = -1;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping = stopping_;
+      if (stopping) failAll("the process group was shut down", done);
+      pfds.clear();
+      peers.clear();
+      for (int peer = 0; peer < size_ && !stopping; ++peer) {
+        if (peer == rank_) continue;
+        Incoming& in = incoming_[peer];
+        if (in.headerDone == sizeof(WireHeader) && !in.matched && !in.draining) {
+          matchHeader(peer, done);
+        }
+        short events = (sends_[peer].empty() ? 0 : POLLOUT) | (wantsRead(peer) ? POLLIN : 0);
+        if (events != 0) {
+          pfds.push_back({fds_[peer], events, 0});
+          peers.push_back(peer);
+        }
+      }
+      auto earliest = Clock::time_point::max();
+      for (auto& q : sends_) if (!q.empty()) earliest = std::min(earliest, q.front().op.deadline);
+      for (auto& r : recvs_) earliest = std::min(earliest, r.op.deadline);
+      if (earliest != Clock::time_point::max()) timeoutMs = millisUntil(earliest) + 1;
+      std::swap(fatalReason, fatal_);
+    }
+    for (auto& [cb, args] : done) cb(args.first, args.second);
+    if (!fatalReason.empty() && onFatal_) onFatal_(fatalReason);
+    if (stopping) return;
+    pfds.push_back({wakePipe_[0], POLLIN, 0});
+    poll(pfds.data(), pfds.size(), timeoutMs);
+    if (pfds.back().revents != 0) {
+      char buf[64];
+      while (::read(wakePipe_[0], buf, sizeof(buf)) > 0) {
+      }
+    }
+    done.clear();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i + 1 < pfds.size() && failed_.empty(); ++i) {
+        if (pfds[i].revents == 0) continue;
+        if (!sends_[peers[i]].empty()) writeTo(peers[i], done);
+        if (wantsRead(peers[i])) readFrom(peers[i], done);
+      }
+      if (failed_.empty()) expire(done);
+      std::swap(fatalReason, fatal_);
+    }
+    for (auto& [cb, args] : done) cb(args.first, args.second);
+    if (!fatalReason.empty() && onFatal_) onFatal_(fatalReason);
+  }
+}
+
+}  // namespace tcp
+}  // namespace ringreduce

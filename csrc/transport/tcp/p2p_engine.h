@@ -1,0 +1,93 @@
+// Point-to-point progress engine: one thread drives send/recv/recvAnysource on
+// the p2p connections, independent of the collective order (as gloo does), so
+// isend/irecv pairs never deadlock on socket buffers.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <list>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace ringreduce {
+namespace tcp {
+
+class P2PEngine {
+ public:
+  // fds: one connected socket per peer (-1 for self); addrs: for messages.
+  // onFatal runs (on the engine thread, no lock held) when a connection breaks,
+  // so the owner can abort the whole transport.
+  P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::string> addrs,
+            std::function<void(const std::string&)> onFatal);
+  ~P2PEngine();
+
+  void postSend(const OpInfo& op, int peer, uint64_t tag, const void* data, size_t bytes,
+                P2PCallback done);
+  void postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, size_t bytes,
+                P2PCallback done);
+  // Fails everything pending and later with `reason`.
+  void abort(const std::string& reason);
+  void stop();
+
+ private:
+  struct Send {
+    OpInfo op;
+    WireHeader header;
+    const char* data;
+    size_t done;  // over header + payload
+    P2PCallback cb;
+  };
+  struct Recv {
+    OpInfo op;
+    int peer;  // -1: any source
+    uint64_t tag;
+    char* data;
+    size_t bytes;
+    P2PCallback cb;
+  };
+  // The message being read from one peer.
+  struct Incoming {
+    WireHeader header{};
+    size_t headerDone = 0;
+    size_t dataDone = 0;
+    std::list<Recv>::iterator match;
+    bool matched = false;
+    bool draining = false;  // the matched recv failed: discard the payload
+  };
+  using Completion = std::pair<P2PCallback, std::pair<int, std::exception_ptr>>;
+
+  void loop();
+  bool wantsRead(int peer) const;
+  void matchHeader(int peer, std::vector<Completion>& done);
+  void readFrom(int peer, std::vector<Completion>& done);
+  void writeTo(int peer, std::vector<Completion>& done);
+  void failAll(const std::string& reason, std::vector<Completion>& done);
+  void fatal(const std::string& reason, std::vector<Completion>& done);
+  void expire(std::vector<Completion>& done);
+  void wake();
+
+  const int rank_;
+  const int size_;
+  const std::vector<int> fds_;
+  const std::vector<std::string> addrs_;
+  int wakePipe_[2] = {-1, -1};
+
+  std::mutex mu_;
+  std::vector<std::deque<Send>> sends_;  // per peer, in post order
+  std::list<Recv> recvs_;                // in post order
+  std::vector<Incoming> incoming_;       // per peer
+  std::vector<uint64_t> sendSeq_;        // per peer message index
+  std::string failed_;                   // set once aborted
+  std::string fatal_;                    // to report through onFatal_, outside the lock
+  std::function<void(const std::string&)> onFatal_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace tcp
+}  // namespace ringreduce

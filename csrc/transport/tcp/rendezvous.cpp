@@ -1,0 +1,224 @@
+// TcpTransport set-up: the full mesh, through the c10d::Store.
+//
+// Keys (under the group's store prefix): ringreduce/<gen>/secret (32 random
+// bytes, hex, written by rank 0) and ringreduce/<gen>/addr/<rank> ("ip:port").
+// <gen> comes from an atomic counter, so re-creating a group on the same store
+// never reads a stale address. Each rank connects to every lower rank (two
+// connections: collective and p2p) and accepts from every higher one. Both ends
+// present the secret in a Hello; a connection without it is refused, logged,
+// and never reaches a collective. The accept thread stays up for the group's
+// life so that late strangers are refused the same way.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "common/env.h"
+#include "transport/tcp/p2p_engine.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace ringreduce {
+namespace tcp {
+
+struct Hello {
+  uint32_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t size;
+  int32_t channel;
+  char secret[64];
+};
+
+namespace {
+
+constexpr uint32_t kHelloMagic = 0x52524845;  // "RRHE"
+constexpr uint32_t kProtocolVersion = 1;
+constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+
+std::string randomHex(size_t bytes) {
+  std::vector<unsigned char> raw(bytes);
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0 && ::read(fd, raw.data(), bytes) == static_cast<ssize_t>(bytes),
+              "[ringreduce] cannot read /dev/urandom for the group secret");
+  ::close(fd);
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : raw) {
+    out += kHex[c >> 4];
+    out += kHex[c & 15];
+  }
+  return out;
+}
+
+// Constant-time comparison: no early exit that would leak a prefix match.
+bool sameSecret(const char* a, const std::string& b) {
+  unsigned char diff = 0;
+  for (size_t i = 0; i < sizeof(Hello::secret); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
+std::string toString(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
+
+}  // namespace
+
+TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                           std::chrono::milliseconds timeout)
+    : store_(std::move(store)), rank_(rank), size_(size) {
+  for (auto& channel : fds_) channel.assign(size, -1);
+  peerAddr_.assign(size, "");
+  if (size > 1) {
+    connectMesh(timeout);
+  }
+}
+
+void TcpTransport::connectMesh(std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  const std::string prefix = rankPrefix(rank_, size_);
+  int64_t generation = (store_->add("ringreduce/generation", 1) - 1) / size_;
+  storeBase_ = "ringreduce/" + std::to_string(generation) + "/";
+  if (rank_ == 0) {
+    secret_ = randomHex(sizeof(Hello::secret) / 2);
+    store_->set(storeBase_ + "secret", secret_);
+  } else {
+    secret_ = toString(store_->get(storeBase_ + "secret"));
+  }
+  TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, prefix, " pipe2 failed: ",
+              std::strerror(errno));
+  listenFd_ = listenOn(chooseLocalAddress(), &bound_);
+  store_->set(storeBase_ + "addr/" + std::to_string(rank_), formatAddress(bound_));
+  acceptThread_ = std::thread([this] { acceptLoop(); });
+  try {
+    for (int peer = 0; peer < rank_; ++peer) {
+      connectToLower(peer, deadline);
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    auto missing = [this] {
+      std::string ranks;
+      for (int peer = rank_ + 1; peer < size_; ++peer) {
+        if (fds_[kCollective][peer] < 0 || fds_[kP2P][peer] < 0) {
+          ranks += (ranks.empty() ? "" : ", ") + std::to_string(peer);
+        }
+      }
+      return ranks;
+    };
+    connected_.wait_until(lock, deadline, [&] { return missing().empty(); });
+    TORCH_CHECK(missing().empty(), prefix, " connecting the group timed out after ",
+                timeout.count(), " ms: no connection from rank(s) ", missing(),
+                " (did every rank call init_process_group / new_group?)");
+  } catch (...) {
+    close();
+    throw;
+  }
+  p2p_ = std::make_unique<P2PEngine>(rank_, size_, fds_[kP2P], peerAddr_,
+                                     [this](const std::string& why) { abort(why); });
+}
+
+void TcpTransport::connectToLower(int peer, Clock::time_point deadline) {
+  const std::string prefix = rankPrefix(rank_, size_);
+  std::string addr = toString(store_->get(storeBase_ + "addr/" + std::to_string(peer)));
+  sockaddr_in to{};
+  TORCH_CHECK(parseAddress(addr, &to), prefix, " rank ", peer, " published a bad address '",
+              addr, "'");
+  peerAddr_[peer] = addr;
+  for (int32_t channel = 0; channel < kNumChannels; ++channel) {
+    int fd = -1;
+    try {
+      fd = connectTo(to, deadline);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, prefix, " cannot connect to rank ", peer, ": ", e.what());
+    }
+    Hello mine{kHelloMagic, kProtocolVersion, rank_, size_, channel, {}};
+    std::memcpy(mine.secret, secret_.data(), sizeof(mine.secret));
+    Hello theirs{};
+    std::string err = writeFully(fd, &mine, sizeof(mine), deadline);
+    if (err.empty()) err = readFully(fd, &theirs, sizeof(theirs), deadline);
+    if (err.empty() && (theirs.magic != kHelloMagic || theirs.rank != peer ||
+                        !sameSecret(theirs.secret, secret_))) {
+      err = "it did not authenticate as rank " + std::to_string(peer) + " of this group";
+    }
+    if (!err.empty()) {
+      ::close(fd);
+      TORCH_CHECK(false, prefix, " handshake with rank ", peer, " at ", addr, " failed: ", err);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    fds_[channel][peer] = fd;
+  }
+}
+
+void TcpTransport::acceptLoop() {
+  while (!closed_) {
+    pollfd pfds[2] = {{listenFd_, POLLIN, 0}, {wakePipe_[0], POLLIN, 0}};
+    if (poll(pfds, 2, -1) < 0 && errno != EINTR) break;
+    if (closed_ || pfds[1].revents != 0) break;
+    if ((pfds[0].revents & POLLIN) == 0) continue;
+    sockaddr_in from{};
+    socklen_t len = sizeof(from);
+    int fd = accept4(listenFd_, reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC);
+    if (fd >= 0) handleIncoming(fd, from);
+  }
+}
+
+std::string TcpTransport::checkHello(const Hello& h) const {
+  if (h.magic != kHelloMagic) return "not a ringreduce peer (bad hello)";
+  if (h.version != kProtocolVersion) {
+    return "protocol version " + std::to_string(h.version) + ", this rank speaks " +
+           std::to_string(kProtocolVersion);
+  }
+  if (h.size != size_) return "world size " + std::to_string(h.size) + " does not match";
+  if (h.rank <= rank_ || h.rank >= size_) {
+    return "claims rank " + std::to_string(h.rank) + ", which does not connect to this rank";
+  }
+  if (h.channel < 0 || h.channel >= kNumChannels) return "bad channel";
+  if (!sameSecret(h.secret, secret_)) return "wrong group secret";
+  if (fds_[h.channel][h.rank] >= 0) return "rank " + std::to_string(h.rank) + " is already connected";
+  return "";
+}
+
+void TcpTransport::handleIncoming(int fd, const sockaddr_in& from) {
+  setNoDelay(fd);
+  const auto deadline = Clock::now() + kHandshakeTimeout;
+  Hello theirs{};
+  std::string err = readFully(fd, &theirs, sizeof(theirs), deadline);
+  if (err.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    err = checkHello(theirs);
+  }
+  if (err.empty()) {
+    Hello mine{kHelloMagic, kProtocolVersion, rank_, size_, theirs.channel, {}};
+    std::memcpy(mine.secret, secret_.data(), sizeof(mine.secret));
+    err = writeFully(fd, &mine, sizeof(mine), deadline);
+  }
+  if (!err.empty()) {
+    logRefusal(formatAddress(from), err);
+    ::close(fd);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fds_[theirs.channel][theirs.rank] = fd;
+    peerAddr_[theirs.rank] = formatAddress(from);
+  }
+  connected_.notify_all();
+}
+
+void TcpTransport::logRefusal(const std::string& from, const std::string& why) const {
+  std::string line = rankPrefix(rank_, size_) + " refused connection from " + from + ": " + why;
+  fprintf(stderr, "%s\n", line.c_str());
+  fflush(stderr);
+  std::lock_guard<std::mutex> lock(mu_);
+  refused_.push_back(line);
+}
+
+std::vector<std::string> TcpTransport::refusedConnections() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return refused_;
+}
+
+}  // namespace tcp
+}  // namespace ringreduce

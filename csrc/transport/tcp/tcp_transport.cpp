@@ -1,0 +1,318 @@
+// TcpTransport: the collective data path (exchange), abort and close.
+//
+// exchange() drives all of a step's sends and receives with one poll() loop on
+// non-blocking sockets: every message is a WireHeader followed by its payload;
+// sends go out with one sendmsg() of header+payload, receives read the header,
+// check it against the op (a mismatch aborts instead of corrupting data), then
+// read the payload straight into the caller's buffer.
+#include "transport/tcp/tcp_transport.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "common/env.h"
+#include "kernels/reduce_ops.h"
+#include "transport/tcp/p2p_engine.h"
+
+namespace ringreduce {
+namespace tcp {
+namespace {
+
+constexpr const char* kAbortKey = "abort";
+
+struct SendState {
+  const SendSpec* spec;
+  WireHeader header;
+  size_t done = 0;  // over header + payload
+  size_t total() const { return sizeof(WireHeader) + spec->bytes; }
+};
+
+struct RecvState {
+  RecvSpec* spec;
+  WireHeader header{};
+  size_t headerDone = 0;
+  size_t dataDone = 0;
+  bool finished() const { return headerDone == sizeof(WireHeader) && dataDone == spec->bytes; }
+};
+
+// Human text for the first header field that differs from what this op expects.
+std::string headerMismatch(const OpInfo& op, const RecvSpec& spec, const WireHeader& h) {
+  if (h.magic != kWireMagic) {
+    return "protocol error: bad message magic (not a ringreduce message, or the stream "
+           "lost its framing)";
+  }
+  if (h.kind != static_cast<uint8_t>(op.kind) || h.seq != op.ctx.seq) {
+    return "collective mismatch: the peer is running " +
+           std::string(opKindName(static_cast<OpKind>(h.kind))) + "#" + std::to_string(h.seq) +
+           ", this rank " + op.ctx.op + "#" + std::to_string(op.ctx.seq) +
+           " (every rank must issue the same collectives in the same order)";
+  }
+  if (h.dtype != op.dtype) {
+    return "dtype mismatch: got " + dtypeName(static_cast<c10::ScalarType>(h.dtype)) +
+           ", expected " + dtypeName(static_cast<c10::ScalarType>(op.dtype));
+  }
+  if (h.reduceOp != op.reduceOp) {
+    auto name = [](uint8_t r) {
+      return r == kNoReduceOp ? "none"
+                              : reduceOpName(static_cast<c10d::ReduceOp::RedOpType>(r));
+    };
+    return std::string("reduce op mismatch: got ") + name(h.reduceOp) + ", expected " +
+           name(op.reduceOp);
+  }
+  if (h.total != op.total) {
+    return "element count mismatch: got " + std::to_string(h.total) + ", expected " +
+           std::to_string(op.total);
+  }
+  if (h.step != spec.step || h.bytes != spec.bytes) {
+    return "byte count mismatch: got " + std::to_string(h.bytes) + " (step " +
+           std::to_string(h.step) + "), expected " + std::to_string(spec.bytes) + " (step " +
+           std::to_string(spec.step) + ")";
+  }
+  return "";
+}
+
+// Sends as much as the socket takes. Returns false on EOF/error with *err set.
+bool progressSend(int fd, SendState& s, std::string* err) {
+  while (s.done < s.total()) {
+    iovec iov[2];
+    int n = 0;
+    if (s.done < sizeof(WireHeader)) {
+      iov[n++] = {reinterpret_cast<char*>(&s.header) + s.done, sizeof(WireHeader) - s.done};
+      iov[n++] = {const_cast<void*>(s.spec->data), s.spec->bytes};
+    } else {
+      size_t off = s.done - sizeof(WireHeader);
+      iov[n++] = {static_cast<char*>(const_cast<void*>(s.spec->data)) + off,
+                  s.spec->bytes - off};
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n;
+    ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
+      *err = std::strerror(errno);
+      return false;
+    }
+    s.done += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// Reads as much as is available. Returns false on EOF/error/mismatch with *err set.
+bool progressRecv(int fd, const OpInfo& op, RecvState& s, std::string* err) {
+  while (!s.finished()) {
+    bool inHeader = s.headerDone < sizeof(WireHeader);
+    char* dst = inHeader ? reinterpret_cast<char*>(&s.header) + s.headerDone
+                         : static_cast<char*>(s.spec->data) + s.dataDone;
+    size_t want = inHeader ? sizeof(WireHeader) - s.headerDone : s.spec->bytes - s.dataDone;
+    ssize_t r = ::recv(fd, dst, want, MSG_DONTWAIT);
+    if (r == 0) {
+      *err = "connection closed by the peer (it exited or aborted)";
+      return false;
+    }
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
+      *err = std::strerror(errno);
+      return false;
+    }
+    if (inHeader) {
+      s.headerDone += static_cast<size_t>(r);
+      if (s.headerDone == sizeof(WireHeader)) {
+        *err = headerMismatch(op, *s.spec, s.header);
+        if (!err->empty()) return false;
+      }
+    } else {
+      s.dataDone += static_cast<size_t>(r);
+      if (s.spec->onProgress) s.spec->onProgress(s.dataDone);
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+TcpTransport::~TcpTransport() {
+  close();
+}
+
+void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
+                            std::vector<RecvSpec>& recvs) {
+  if (aborted_) {
+    throwTransportError(op.ctx.message("the group is no longer usable: " + abortReason()));
+  }
+  std::vector<SendState> ss;
+  std::vector<RecvState> rs;
+  for (auto& s : sends) {
+    WireHeader h{kWireMagic, static_cast<uint8_t>(op.kind), op.dtype, op.reduceOp, 0,
+                 op.ctx.seq, op.total, s.step, s.bytes};
+    ss.push_back({&s, h});
+  }
+  for (auto& r : recvs) {
+    rs.push_back({&r});
+  }
+  std::vector<pollfd> pfds;
+  std::vector<int> peerOf;
+  while (true) {
+    pfds.clear();
+    peerOf.clear();
+    auto watch = [&](int peer, short events) {
+      int fd = fds_[kCollective][peer];
+      for (auto& p : pfds) {
+        if (p.fd == fd) { p.events |= events; return; }
+      }
+      pfds.push_back({fd, events, 0});
+      peerOf.push_back(peer);
+    };
+    for (auto& s : ss) if (s.done < s.total()) watch(s.spec->peer, POLLOUT);
+    for (auto& r : rs) if (!r.finished()) watch(r.spec->peer, POLLIN);
+    if (pfds.empty()) {
+      return;
+    }
+    int ms = millisUntil(op.deadline);
+    int ready = ms == 0 ? 0 : poll(pfds.data(), pfds.size(), ms);
+    if (aborted_) {
+      throwTransportError(op.ctx.message("the group is no longer usable: " + abortReason()));
+    }
+    if (ready == 0) {
+      // Name the first transfer still open, with its progress.
+      for (auto& r : rs) {
+        if (!r.finished()) {
+          fail(op, r.spec->peer, "timed out waiting to receive: got " +
+                                     std::to_string(r.dataDone) + " of " +
+                                     std::to_string(r.spec->bytes) + " bytes");
+        }
+      }
+      for (auto& s : ss) {
+        if (s.done < s.total()) {
+          fail(op, s.spec->peer, "timed out sending: sent " + std::to_string(s.done) + " of " +
+                                     std::to_string(s.total()) + " bytes (with header)");
+        }
+      }
+    }
+    if (ready < 0 && errno != EINTR) {
+      fail(op, -1, std::string("poll failed: ") + std::strerror(errno));
+    }
+    for (size_t i = 0; i < pfds.size(); ++i) {
+      if (pfds[i].revents == 0) continue;
+      int peer = peerOf[i];
+      std::string err;
+      for (auto& s : ss) {
+        if (s.spec->peer == peer && !progressSend(pfds[i].fd, s, &err)) {
+          fail(op, peer, "send failed after " + std::to_string(s.done) + " of " +
+                             std::to_string(s.total()) + " bytes: " + err);
+        }
+      }
+      for (auto& r : rs) {
+        if (r.spec->peer == peer && !progressRecv(pfds[i].fd, op, r, &err)) {
+          fail(op, peer, err + " (received " + std::to_string(r.dataDone) + " of " +
+                             std::to_string(r.spec->bytes) + " bytes)");
+        }
+      }
+    }
+  }
+}
+
+void TcpTransport::fail(const OpInfo& op, int peer, const std::string& what) {
+  std::string where =
+      peer >= 0 ? "with rank " + std::to_string(peer) + " (" + peerAddr_[peer] + "): " : "";
+  std::string message = op.ctx.message(where + what);
+  std::string cause = groupCause();
+  abort(message);
+  if (!cause.empty() && cause != message) {
+    message += "; first error in the group: " + cause;
+  }
+  throwTransportError(message + ". The process group is no longer usable.");
+}
+
+// The first error any rank of the group published, if any (best effort).
+std::string TcpTransport::groupCause() const {
+  try {
+    std::string key = storeBase_ + kAbortKey;
+    if (store_ && store_->check({key})) {
+      auto v = store_->get(key);
+      return std::string(v.begin(), v.end());
+    }
+  } catch (const std::exception&) {
+    // The store may be gone with the rank that hosted it.
+  }
+  return "";
+}
+
+void TcpTransport::abort(const std::string& reason) {
+  if (aborted_.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    abortReason_ = reason;
+  }
+  if (debugEnabled()) {
+    fprintf(stderr, "%s aborting: %s\n", rankPrefix(rank_, size_).c_str(), reason.c_str());
+  }
+  // Publish the first error before the peers see EOF, so they can name it.
+  try {
+    std::string key = storeBase_ + kAbortKey;
+    if (store_ && !closed_ && !store_->check({key})) store_->set(key, reason);
+  } catch (const std::exception&) {
+    // Best effort: the store may be gone with the rank that hosted it.
+  }
+  {
+    // Shutting the sockets down (not closing: other threads may be polling
+    // them) makes every peer see EOF at once, so errors spread in milliseconds.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& channel : fds_) {
+      for (int fd : channel) {
+        if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+      }
+    }
+  }
+  if (p2p_) p2p_->abort(reason);
+}
+
+std::string TcpTransport::abortReason() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return abortReason_;
+}
+
+void TcpTransport::postSend(const OpInfo& op, int peer, uint64_t tag, const void* data,
+                            size_t bytes, P2PCallback done) {
+  p2p_->postSend(op, peer, tag, data, bytes, std::move(done));
+}
+
+void TcpTransport::postRecv(const OpInfo& op, int peer, uint64_t tag, void* data,
+                            size_t bytes, P2PCallback done) {
+  p2p_->postRecv(op, peer, tag, data, bytes, std::move(done));
+}
+
+void TcpTransport::close() {
+  if (closed_.exchange(true)) return;
+  if (wakePipe_[1] >= 0) {
+    char c = 0;
+    (void)!::write(wakePipe_[1], &c, 1);
+  }
+  if (p2p_) p2p_->stop();
+  if (acceptThread_.joinable()) acceptThread_.join();
+  p2p_.reset();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& channel : fds_) {
+    for (int& fd : channel) {
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+    }
+  }
+  for (int* fd : {&listenFd_, &wakePipe_[0], &wakePipe_[1]}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
+}
+
+std::string TcpTransport::listenAddress() const {
+  return listenFd_ >= 0 ? formatAddress(bound_) : "";
+}
+
+}  // namespace tcp
+
+}  // namespace ringreduce

@@ -1,0 +1,21 @@
+#include "transport/transport.h"
+
+namespace ringreduce {
+
+const char* opKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAllreduce: return "allreduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kReduce: return "reduce";
+    case OpKind::kAllgather: return "allgather";
+    case OpKind::kGather: return "gather";
+    case OpKind::kScatter: return "scatter";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kAlltoall: return "alltoall";
+    case OpKind::kBarrier: return "barrier";
+    case OpKind::kSend: return "send/recv";
+  }
+  return "unknown-op";
+}
+
+}  // namespace ringreduce

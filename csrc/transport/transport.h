@@ -1,0 +1,116 @@
+// The point-to-point layer the algorithms run on. Algorithms hand it lists of
+// sends and receives addressed by peer rank; an implementation (TCP today,
+// shared memory later) moves the bytes. A composite transport can route each
+// peer's transfers to a different implementation, because nothing here names
+// a socket.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+
+namespace ringreduce {
+
+enum class OpKind : uint8_t {
+  kAllreduce = 1,
+  kBroadcast,
+  kReduce,
+  kAllgather,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAlltoall,
+  kBarrier,
+  kSend,  // point-to-point (send/recv/recvAnysource)
+};
+
+const char* opKindName(OpKind kind);
+
+// Sent before every message. The receiver checks every field against what its
+// own op expects, so collectives that differ across ranks fail loudly instead
+// of corrupting data or hanging.
+struct WireHeader {
+  uint32_t magic;
+  uint8_t kind;      // OpKind
+  uint8_t dtype;     // c10::ScalarType
+  uint8_t reduceOp;  // c10d::ReduceOp::RedOpType, kNoReduceOp when none
+  uint8_t reserved;
+  uint64_t seq;      // collective sequence number (p2p: per-pair message index)
+  uint64_t total;    // op-wide element count both sides must agree on, kUnchecked if none
+  uint64_t step;     // ring step / chunk index (p2p: the tag)
+  uint64_t bytes;    // payload bytes that follow
+};
+static_assert(sizeof(WireHeader) == 40, "WireHeader must stay 40 bytes");
+
+constexpr uint32_t kWireMagic = 0x52524431;  // "RRD1"
+constexpr uint8_t kNoReduceOp = 0xff;
+constexpr uint64_t kUnchecked = ~uint64_t{0};
+
+// What every message of one op agrees on; the transport stamps it on sends and
+// checks it on receives.
+struct OpInfo {
+  OpContext ctx;  // for error messages
+  OpKind kind = OpKind::kBarrier;
+  uint8_t dtype = 0;
+  uint8_t reduceOp = kNoReduceOp;
+  uint64_t total = kUnchecked;
+  std::chrono::steady_clock::time_point deadline;
+};
+
+struct SendSpec {
+  int peer;
+  const void* data;
+  size_t bytes;
+  uint64_t step;
+};
+
+struct RecvSpec {
+  int peer;
+  void* data;
+  size_t bytes;  // exactly this many bytes are expected (checked against the header)
+  uint64_t step;
+  // Called as payload arrives with the number of bytes received so far, so a
+  // reduction can overlap with the rest of the transfer. May be empty.
+  std::function<void(size_t)> onProgress;
+};
+
+// Completion of a point-to-point operation: sourceRank is the sender for
+// receives; error is null on success.
+using P2PCallback = std::function<void(int sourceRank, std::exception_ptr error)>;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // Progresses all sends and receives concurrently (a ring step sends right
+  // while it receives left) until every one is complete. At most one send and
+  // one receive per peer. On timeout, a lost peer or a header that does not
+  // match, the transport aborts (so neighbours fail fast too) and this throws a
+  // DistBackendError naming rank, op#seq, peer and bytes done/expected.
+  virtual void exchange(const OpInfo& op, std::vector<SendSpec>& sends,
+                        std::vector<RecvSpec>& recvs) = 0;
+
+  // Point-to-point, independent of the collective order. Messages between two
+  // ranks are matched in order per (peer, tag); peer -1 receives from anyone.
+  // The callback runs on a transport thread.
+  virtual void postSend(const OpInfo& op, int peer, uint64_t tag, const void* data,
+                        size_t bytes, P2PCallback done) = 0;
+  virtual void postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, size_t bytes,
+                        P2PCallback done) = 0;
+
+  // Makes every pending and later transfer fail with `reason` and closes the
+  // connections so peers notice at once. Safe from any thread; idempotent.
+  virtual void abort(const std::string& reason) = 0;
+  // Empty when healthy, else why the transport was aborted.
+  virtual std::string abortReason() const = 0;
+  // Stops threads and closes sockets. Idempotent; called by the destructor too.
+  virtual void close() = 0;
+};
+
+}  // namespace ringreduce

@@ -1,0 +1,525 @@
+"""Collective benchmark in the manner of nccl-tests, several backends side by side.
+
+    python scripts/bench_collectives.py --nproc 4 --backends ringreduce gloo \\
+        --ops allreduce allgather -b 4K -e 64M -f 4 --dtype float32 --json out.json
+
+Without torchrun it spawns --nproc ranks on this host (FileStore rendezvous);
+under torchrun it takes RANK/WORLD_SIZE from the environment and ignores --nproc.
+The default group is gloo and carries only control traffic (barriers, agreeing
+on iteration counts and timings); each benchmarked backend gets its own group.
+
+Per op, size and backend: warm-up, a barrier, a timed loop of blocking
+collectives (time per iteration, the maximum over ranks), then one collective
+on fresh inputs checked against a closed form (#wrong: elements that differ,
+summed over ranks). Sizes are bytes of the whole buffer, as in nccl-tests: the
+output of allgather and gather, the input of reduce_scatter and scatter, each
+rank's buffer for alltoall. busbw factors are those of DESIGN.md.
+
+Exit status: 0 all correct; 1 a row had wrong elements or a collective raised;
+2 a requested backend could not create a group (the other backends still run).
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import _bench_util as bu
+
+REDOPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+RATIO_W = 16
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    rank: int
+    n: int
+    root: int
+    dtype: torch.dtype
+    device: torch.device
+    redop: str
+
+
+# ------------------------------------------------------------ closed forms
+# Rank r contributes ramp(i) + r + 1 at element i, with ramp(i) = i % 7: small
+# integers, exact in every dtype, and a misplaced chunk or element shows.
+
+def ramp(ctx, length, offset=0):
+    index = torch.arange(offset, offset + length, device=ctx.device)
+    return (index % 7).to(ctx.dtype)
+
+
+def reduced(ctx, base):
+    """Expected reduction over ranks of base + r + 1."""
+    if ctx.redop == "sum":
+        return base * ctx.n + ctx.n * (ctx.n + 1) // 2
+    return base + (ctx.n if ctx.redop == "max" else 1)
+
+
+def count_wrong(actual, expected):
+    return int((actual != expected).sum().item())
+
+
+def chunks_wrong(ctx, buf, chunk, value_of):
+    """Wrong elements of `buf` whose chunk j should hold ramp + value_of(j)."""
+    base = ramp(ctx, chunk)
+    return sum(count_wrong(buf[j * chunk:(j + 1) * chunk], base + value_of(j))
+               for j in range(ctx.n))
+
+
+# ------------------------------------------------------------ collectives
+
+class Collective:
+    """One op on preallocated buffers. `count` is elements of the whole buffer."""
+    chunked = False  # the buffer splits into n equal chunks
+
+    def __init__(self, ctx, count):
+        self.ctx, self.count = ctx, count
+        self.chunk = count // ctx.n
+
+    def empty(self, count):
+        return torch.empty(count, dtype=self.ctx.dtype, device=self.ctx.device)
+
+    def bus_factor(self):
+        return (self.ctx.n - 1) / self.ctx.n
+
+    def fill_timing(self):
+        self.fill_check()
+
+
+class AllReduce(Collective):
+    def __init__(self, ctx, count):
+        super().__init__(ctx, count)
+        self.buf = self.empty(count)
+
+    def bus_factor(self):
+        return 2 * (self.ctx.n - 1) / self.ctx.n
+
+    def fill_timing(self):
+        self.buf.zero_()  # in place: zeros stay finite however many iterations
+
+    def fill_check(self):
+        self.buf.copy_(ramp(self.ctx, self.count) + self.ctx.rank + 1)
+
+    def run(self, group):
+        dist.all_reduce(self.buf, op=REDOPS[self.ctx.redop], group=group)
+
+    def wrong(self):
+        return count_wrong(self.buf, reduced(self.ctx, ramp(self.ctx, self.count)))
+
+
+class Reduce(AllReduce):
+    def bus_factor(self):
+        return 1.0
+
+    def run(self, group):
+        dist.reduce(self.buf, dst=self.ctx.root, op=REDOPS[self.ctx.redop], group=group)
+
+    def wrong(self):
+        return super().wrong() if self.ctx.rank == self.ctx.root else 0
+
+
+class Broadcast(AllReduce):
+    def bus_factor(self):
+        return 1.0
+
+    def fill_timing(self):
+        self.fill_check()
+
+    def fill_check(self):
+        if self.ctx.rank == self.ctx.root:
+            self.buf.copy_(ramp(self.ctx, self.count) + self.ctx.root + 1)
+        else:
+            self.buf.fill_(-1)
+
+    def run(self, group):
+        dist.broadcast(self.buf, src=self.ctx.root, group=group)
+
+    def wrong(self):
+        return count_wrong(self.buf, ramp(self.ctx, self.count) + self.ctx.root + 1)
+
+
+class AllGather(Collective):
+    chunked = True
+
+    def __init__(self, ctx, count):
+        super().__init__(ctx, count)
+        self.inp, self.out = self.empty(self.chunk), self.empty(count)
+
+    def fill_check(self):
+        self.inp.copy_(ramp(self.ctx, self.chunk) + self.ctx.rank + 1)
+        self.out.fill_(-1)
+
+    def run(self, group):
+        _all_gather(self.out, self.inp, group=group)
+
+    def wrong(self):
+        return chunks_wrong(self.ctx, self.out, self.chunk, lambda j: j + 1)
+
+
+class ReduceScatter(Collective):
+    chunked = True
+
+    def __init__(self, ctx, count):
+        super().__init__(ctx, count)
+        self.inp, self.out = self.empty(count), self.empty(self.chunk)
+
+    def fill_check(self):
+        self.inp.copy_(ramp(self.ctx, self.count) + self.ctx.rank + 1)
+        self.out.fill_(-1)
+
+    def run(self, group):
+        _reduce_scatter(self.out, self.inp, op=REDOPS[self.ctx.redop], group=group)
+
+    def wrong(self):
+        base = ramp(self.ctx, self.chunk, offset=self.ctx.rank * self.chunk)
+        return count_wrong(self.out, reduced(self.ctx, base))
+
+
+class AllToAll(Collective):
+    chunked = True
+
+    def __init__(self, ctx, count):
+        super().__init__(ctx, count)
+        self.inp, self.out = self.empty(count), self.empty(count)
+
+    def fill_check(self):
+        ctx, base = self.ctx, ramp(self.ctx, self.chunk)
+        for j, part in enumerate(self.inp.split(self.chunk)):
+            part.copy_(base + ctx.rank * ctx.n + j + 1)  # encodes (sender, receiver)
+        self.out.fill_(-1)
+
+    def run(self, group):
+        dist.all_to_all_single(self.out, self.inp, group=group)
+
+    def wrong(self):
+        ctx = self.ctx
+        return chunks_wrong(ctx, self.out, self.chunk, lambda j: j * ctx.n + ctx.rank + 1)
+
+
+class Gather(Collective):
+    chunked = True
+
+    def __init__(self, ctx, count):
+        super().__init__(ctx, count)
+        self.is_root = ctx.rank == ctx.root
+        self.inp = self.empty(self.chunk)
+        self.out = self.empty(count) if self.is_root else None
+        self.parts = list(self.out.split(self.chunk)) if self.is_root else None
+
+    def fill_check(self):
+        self.inp.copy_(ramp(self.ctx, self.chunk) + self.ctx.rank + 1)
+        if self.is_root:
+            self.out.fill_(-1)
+
+    def run(self, group):
+        dist.gather(self.inp, self.parts, dst=self.ctx.root, group=group)
+
+    def wrong(self):
+        if not self.is_root:
+            return 0
+        return chunks_wrong(self.ctx, self.out, self.chunk, lambda j: j + 1)
+
+
+class Scatter(Collective):
+    chunked = True
+
+    def __init__(self, ctx, count):
+        super().__init__(ctx, count)
+        self.is_root = ctx.rank == ctx.root
+        self.inp = self.empty(count) if self.is_root else None
+        self.parts = list(self.inp.split(self.chunk)) if self.is_root else None
+        self.out = self.empty(self.chunk)
+
+    def fill_check(self):
+        base = ramp(self.ctx, self.chunk)
+        if self.is_root:
+            for j, part in enumerate(self.parts):
+                part.copy_(base + j + 1)
+        self.out.fill_(-1)
+
+    def run(self, group):
+        dist.scatter(self.out, self.parts, src=self.ctx.root, group=group)
+
+    def wrong(self):
+        return count_wrong(self.out, ramp(self.ctx, self.chunk) + self.ctx.rank + 1)
+
+
+OPS = {
+    "allreduce": AllReduce, "broadcast": Broadcast, "reduce": Reduce,
+    "allgather": AllGather, "reduce_scatter": ReduceScatter, "alltoall": AllToAll,
+    "gather": Gather, "scatter": Scatter,
+}
+
+
+# ------------------------------------------------------------ measuring
+
+def timed_loop(op, group, iters):
+    """Seconds per iteration on the slowest rank (a collective result)."""
+    dist.barrier()  # default group: gloo, control traffic only
+    start = time.perf_counter()
+    for _ in range(iters):
+        op.run(group)
+    bu.synchronize(op.ctx.device)
+    return bu.agree_max((time.perf_counter() - start) / iters)
+
+
+def plan_and_time(op, group, args):
+    """Warm up, pick the iteration count (all ranks agree), time. -> (s, iters, warmup)."""
+    op.fill_timing()
+    if args.iters:
+        if args.warmup:
+            timed_loop(op, group, args.warmup)
+        return timed_loop(op, group, args.iters), args.iters, args.warmup
+    first = max(timed_loop(op, group, 1), 1e-9)
+    more = min(max(args.warmup or 5, 1) - 1, int(0.25 * args.target_time / first))
+    estimate = timed_loop(op, group, more) if more > 0 else first
+    iters = max(args.min_iters, min(args.max_iters, int(args.target_time / estimate)))
+    return timed_loop(op, group, iters), iters, 1 + more
+
+
+def check(op, group, enabled):
+    """Wrong elements over all ranks after one op on fresh inputs, or None."""
+    if not enabled:
+        return None
+    op.fill_check()
+    op.run(group)
+    bu.synchronize(op.ctx.device)
+    return int(bu.agree_sum(op.wrong()))
+
+
+def base_row(op_name, op, backend, args):
+    return {"op": op_name, "backend": backend, "size_bytes": op.count * op.ctx.dtype.itemsize,
+            "count": op.count, "dtype": args.dtype, "world_size": op.ctx.n,
+            "redop": op.ctx.redop, "root": op.ctx.root, "device": args.device,
+            "time_us": None, "algbw_GBps": None, "busbw_GBps": None, "wrong": None}
+
+
+def measure(op_name, op, backend, group, args):
+    row = base_row(op_name, op, backend, args)
+    try:
+        seconds, iters, warmup = plan_and_time(op, group, args)
+        wrong = check(op, group, not args.no_check)
+    except Exception as err:  # a backend missing an op must not end the sweep
+        return dict(row, error=bu.short_error(err))
+    algbw = row["size_bytes"] / seconds / 1e9
+    return dict(row, time_us=seconds * 1e6, algbw_GBps=algbw,
+                busbw_GBps=algbw * op.bus_factor(), wrong=wrong,
+                iters=iters, warmup=warmup, error=None)
+
+
+# ------------------------------------------------------------ groups
+
+def create_groups(backends, ctx, args, hint):
+    """{backend: group} for the backends that work on every rank; report the others."""
+    groups, errors = {}, {}
+    timeout = datetime.timedelta(seconds=args.timeout)
+    for name in backends:
+        try:
+            group = dist.new_group(backend=name, timeout=timeout)
+            probe = torch.ones(1, device=ctx.device)
+            dist.all_reduce(probe, group=group)
+            if probe.item() != ctx.n:
+                raise RuntimeError(f"probe all_reduce gave {probe.item()}, expected {ctx.n}")
+            groups[name] = group
+        except Exception as err:
+            errors[name] = bu.short_error(err)
+    every = [None] * ctx.n
+    dist.all_gather_object(every, errors)
+    failed = {}
+    for rank, errs in enumerate(every):
+        for name, text in errs.items():
+            failed.setdefault(name, f"rank {rank}: {text}")
+    for name, text in failed.items():
+        groups.pop(name, None)
+        extra = ""
+        if name == "ringreduce":
+            extra = f" ({hint + '; ' if hint else 'is the extension built? '}`make build`)"
+        log(ctx, f"# backend {name!r} could not create a group and is skipped{extra}\n#   {text}")
+    return groups, failed
+
+
+def log(ctx, line):
+    if ctx.rank == 0:
+        print(line, flush=True)
+
+
+# ------------------------------------------------------------ output
+
+def table_header(op_name, ctx, backends, args):
+    head = f"{'size':>12} {'count':>11} {'type':>8}"
+    group = f"{'time_us':>11} {'algbw':>7} {'busbw':>7} {'#wrong':>7}"
+    ratios = [f"{backends[0]}/{b}" for b in backends[1:]]
+    titles = "".join(f"  {b:^{len(group)}}" for b in backends)
+    columns = f"  {group}" * len(backends) + "".join(f"  {r:>{RATIO_W}}" for r in ratios)
+    return "\n".join([
+        f"# {op_name}: redop {ctx.redop}, {args.dtype}, {bu.plural(ctx.n, 'rank')}, "
+        f"root {ctx.root}, device {args.device}; time per iteration (max over ranks), "
+        f"bandwidth in GB/s",
+        f"# {' ' * (len(head) - 2)}{titles}" + ("  time ratio" if ratios else ""),
+        f"#{head[1:]}{columns}",
+    ])
+
+
+def format_cell(row):
+    if row.get("error"):
+        return f"  {'error':>11} {'-':>7} {'-':>7} {'-':>7}"
+    wrong = "-" if row["wrong"] is None else str(row["wrong"])
+    return (f"  {row['time_us']:>11.1f} {row['algbw_GBps']:>7.3f} "
+            f"{row['busbw_GBps']:>7.3f} {wrong:>7}")
+
+
+def format_line(rows):
+    first = rows[0]
+    line = f"{first['size_bytes']:>12} {first['count']:>11} {first['dtype']:>8}"
+    line += "".join(format_cell(r) for r in rows)
+    for other in rows[1:]:
+        ok = first.get("time_us") and other.get("time_us")
+        line += (f"  {first['time_us'] / other['time_us']:>{RATIO_W}.2f}" if ok
+                 else f"  {'n/a':>{RATIO_W}}")
+    return line
+
+
+def summary(rows, backends):
+    parts = []
+    for b in backends:
+        bw = [r["busbw_GBps"] for r in rows
+              if r["backend"] == b and r["busbw_GBps"] is not None]
+        parts.append(f"{b} {sum(bw) / len(bw):.3f}" if bw else f"{b} n/a")
+    return "# avg busbw (GB/s): " + ", ".join(parts)
+
+
+# ------------------------------------------------------------ driver
+
+def sweep_op(op_name, ctx, groups, sizes, args, progress):
+    rows, failed = [], set()
+    cls, itemsize = OPS[op_name], ctx.dtype.itemsize
+    for size in sizes:
+        count = size // itemsize
+        if cls.chunked:
+            count -= count % ctx.n
+        if count == 0:
+            continue
+        op, line = cls(ctx, count), []
+        for backend, group in groups.items():
+            if backend in failed:
+                row = dict(base_row(op_name, op, backend, args), error="skipped: raised before")
+            else:
+                row = measure(op_name, op, backend, group, args)
+            if row.get("error") and backend not in failed:
+                failed.add(backend)
+                progress.write(f"# {op_name} on {backend} raised: {row['error']}")
+            line.append(row)
+            progress.update()
+        progress.write(format_line(line))
+        rows += line
+        del op  # free this size's buffers before the next size allocates its own
+    return rows
+
+
+def worker(world, args):
+    hint = bu.import_ringreduce() if "ringreduce" in args.backends else ""
+    bu.init_default_group(world, "gloo", args.timeout, args.device)
+    ctx = Ctx(world.rank, world.size, args.root, bu.DTYPES[args.dtype],
+              bu.tensor_device(args.device), args.redop)
+    if world.launcher == "torchrun" and args.nproc_given and args.nproc != world.size:
+        log(ctx, f"# under torchrun: world size {world.size}, --nproc ignored")
+    groups, failed = create_groups(args.backends, ctx, args, hint)
+    sizes = bu.size_sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+    total = len(args.ops) * len(sizes) * len(groups)
+    progress = bu.Progress(total, "bench", enabled=world.rank == 0)
+    start, rows = time.perf_counter(), []
+    for op_name in args.ops if groups else []:
+        progress.write("\n" + table_header(op_name, ctx, list(groups), args))
+        op_rows = sweep_op(op_name, ctx, groups, sizes, args, progress)
+        progress.write(summary(op_rows, list(groups)))
+        rows += op_rows
+    progress.close()
+    elapsed = time.perf_counter() - start
+    status = finish(world, ctx, rows, failed, elapsed, args)
+    dist.barrier()  # no rank tears down its connections while a peer still uses them
+    dist.destroy_process_group()
+    return status
+
+
+def finish(world, ctx, rows, failed, elapsed, args):
+    wrong = sum(r["wrong"] or 0 for r in rows)
+    errors = sum(1 for r in rows if r.get("error"))
+    if world.rank == 0:
+        print(f"\n# {len(rows)} rows in {elapsed:.1f} s; wrong elements: {wrong}; "
+              f"rows with errors: {errors}; backends unavailable: {sorted(failed) or 'none'}")
+        write_json(world, rows, failed, elapsed, args)
+    if wrong or errors:
+        return 1
+    return 2 if failed else 0
+
+
+def write_json(world, rows, failed, elapsed, args):
+    if not args.json:
+        return
+    if args.json == "auto":
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        args.json = os.path.join("results", f"bench_collectives_{world.size}r_{stamp}.json")
+    doc = {"environment": bu.environment(world), "args": vars(args),
+           "unavailable_backends": failed, "elapsed_s": elapsed, "rows": rows}
+    folder = os.path.dirname(args.json)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    with open(args.json, "w") as out:
+        json.dump(doc, out, indent=1, default=str)
+    print(f"# results written to {args.json}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default 2)")
+    p.add_argument("--backends", nargs="+", default=["ringreduce", "gloo"])
+    p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
+    p.add_argument("-b", "--minbytes", type=bu.parse_size, default=bu.parse_size("4K"))
+    p.add_argument("-e", "--maxbytes", type=bu.parse_size, default=bu.parse_size("64M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("-i", "--stepbytes", type=bu.parse_size, default=0,
+                   help="add this many bytes per step instead of multiplying")
+    p.add_argument("--dtype", choices=list(bu.DTYPES), default="float32")
+    p.add_argument("--redop", choices=list(REDOPS), default="sum")
+    p.add_argument("--root", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--iters", type=int, default=0, help="timed iterations (default: adapt)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="warm-up iterations (default: adapt, at most 5)")
+    p.add_argument("--target-time", type=float, default=0.3,
+                   help="seconds of timed loop per row when adapting (default 0.3)")
+    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--max-iters", type=int, default=1000)
+    p.add_argument("--no-check", action="store_true", help="skip the result check")
+    p.add_argument("--timeout", type=float, default=300, help="group timeout in seconds")
+    p.add_argument("--json", default="auto",
+                   help="write all rows here (default results/bench_collectives_<n>r_<time>.json;"
+                        " '' to skip)")
+    args = p.parse_args(argv)
+    args.nproc_given = args.nproc is not None
+    args.nproc = args.nproc or 2
+    return args
+
+
+def main():
+    args = parse_args()
+    if len(set(args.backends)) != len(args.backends):
+        raise SystemExit("--backends: each backend at most once")
+    if not 0 <= args.root < (int(os.environ.get("WORLD_SIZE", 0)) or args.nproc):
+        raise SystemExit(f"--root {args.root} is not a rank")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    return bu.run_ranks(worker, args, args.nproc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

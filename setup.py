@@ -1,0 +1,59 @@
+"""Build torch_ringreduce._C against the installed torch.
+
+CPU build (CppExtension) when torch has no CUDA; CUDA build (CUDAExtension, with
+NCCL, RINGREDUCE_WITH_CUDA defined) when it has and nvcc is found. Force either
+with RINGREDUCE_CUDA=0/1. Build with `pip install --no-build-isolation -e .` so
+the torch you run is the torch you built against.
+"""
+import glob
+import os
+
+from setuptools import setup
+import torch
+from torch.utils.cpp_extension import (
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    forced = os.environ.get("RINGREDUCE_CUDA")
+    if forced is not None:
+        return forced == "1"
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def sources(cuda: bool) -> list:
+    found = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    if cuda:
+        found += sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
+    else:
+        found = [s for s in found if os.sep + "nccl" + os.sep not in s]
+    return found
+
+
+def extension():
+    cuda = want_cuda()
+    cxx = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+    kwargs = dict(
+        name="torch_ringreduce._C",
+        sources=sources(cuda),
+        include_dirs=[os.path.join(HERE, "csrc")],
+        extra_compile_args={"cxx": cxx},
+    )
+    if cuda:
+        kwargs["extra_compile_args"]["cxx"].append("-DRINGREDUCE_WITH_CUDA")
+        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-DRINGREDUCE_WITH_CUDA"]
+        kwargs["libraries"] = ["nccl"]
+        return CUDAExtension(**kwargs)
+    return CppExtension(**kwargs)
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

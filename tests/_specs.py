@@ -1,0 +1,324 @@
+"""One builder per collective: the case it runs and the closed-form result.
+
+A builder takes (comm, dtype, count, op, variant) and returns Specs. A Spec's
+`call(group, async_op)` runs the collective on fresh buffers and returns
+(work, outputs); `expected` holds the closed form of each output (None: not
+checked). The same Spec runs on the group under test and on the gloo oracle.
+"""
+import dataclasses
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from _cases import LARGE, input_scale, is_exact, make_input, reduce_closed_form
+
+
+@dataclasses.dataclass
+class Comm:
+    """A group under test, its gloo twin, and this rank's place in them."""
+
+    tested: object
+    oracle: object
+    ranks: List[int]
+    rank: int
+
+    @property
+    def n(self):
+        return len(self.ranks)
+
+
+def world_comm(ctx):
+    return Comm(None, ctx.oracle, list(range(ctx.world_size)), ctx.rank)
+
+
+def sub_comm(ctx, ranks):
+    """Comm over `ranks` (every rank must call this), None outside it."""
+    tested, oracle = ctx.subgroup(ranks)
+    if ctx.rank not in ranks:
+        return None
+    return Comm(tested, oracle, list(ranks), list(ranks).index(ctx.rank))
+
+
+@dataclasses.dataclass
+class Spec:
+    label: dict
+    call: Callable
+    expected: List[Optional[torch.Tensor]]
+    exact: bool = True
+    scale: float = 1.0
+    same_on_all_ranks: bool = False
+
+
+def _data(tag, comm, count, dtype, op=None, exact=True):
+    """Every group rank's input, indexed by group rank."""
+    return [make_input(tag, r, count, dtype, op, exact) for r in range(comm.n)]
+
+
+def _roots(comm, count):
+    """Every root for small counts; the last rank alone for the large one."""
+    return range(comm.n) if count < LARGE else [comm.n - 1]
+
+
+def _split(src, dst, count, n):
+    """Uneven element count that src sends dst in all-to-all (0 if count is)."""
+    if count == 0:
+        return 0
+    return max(0, count // n + (src * 3 + dst * 5 + count) % 4 - 1)
+
+
+# --------------------------------------------------------------------------
+# Reductions
+# --------------------------------------------------------------------------
+
+
+def _strided_views(flats, count, variant):
+    """(caller's view, its base) per rank: a transposed or every-other view."""
+    if variant == "transposed":
+        return [(f.reshape(count, 3).t(), None) for f in flats]
+    return [(f[::2], f) for f in flats]
+
+
+def all_reduce(comm, dtype, count, op, exact=True, variant="plain"):
+    mult = {"plain": 1, "transposed": 3, "strided": 2}[variant]
+    flats = _data(f"all_reduce/{variant}", comm, mult * count, dtype, op, exact)
+    views = flats if variant == "plain" else [v for v, _ in _strided_views(flats, count, variant)]
+    want = reduce_closed_form(views, op, dtype)
+    expected = [want]
+    if variant == "strided":
+        base = flats[comm.rank].clone()
+        base[::2] = want
+        expected.append(base)
+
+    def call(group, async_op):
+        if variant == "plain":
+            t = flats[comm.rank].clone()
+            return dist.all_reduce(t, op=op, group=group, async_op=async_op), [t]
+        view, base = _strided_views([flats[comm.rank].clone()], count, variant)[0]
+        work = dist.all_reduce(view, op=op, group=group, async_op=async_op)
+        return work, [view] + ([base] if base is not None else [])
+
+    return [Spec({}, call, expected, is_exact(dtype, op, exact), input_scale(views), True)]
+
+
+def all_reduce_coalesced(comm, dtype, count, op, exact=True, variant="plain"):
+    sizes = [count, 3, count // 2]
+    data = [_data(f"arc{i}", comm, s, dtype, op, exact) for i, s in enumerate(sizes)]
+    expected = [reduce_closed_form(d, op, dtype) for d in data]
+
+    def call(group, async_op):
+        ts = [d[comm.rank].clone() for d in data]
+        return dist.all_reduce_coalesced(ts, op=op, group=group, async_op=async_op), ts
+
+    scale = max(input_scale(d) for d in data)
+    return [Spec({}, call, expected, is_exact(dtype, op, exact), scale, True)]
+
+
+def reduce(comm, dtype, count, op, exact=True, variant="plain"):
+    specs = []
+    for root in _roots(comm, count):
+        data = _data(f"reduce{root}", comm, count, dtype, op, exact)
+        want = reduce_closed_form(data, op, dtype) if comm.rank == root else None
+
+        def call(group, async_op, data=data, root=root):
+            t = data[comm.rank].clone()
+            work = dist.reduce(t, group_dst=root, op=op, group=group, async_op=async_op)
+            return work, [t]
+
+        specs.append(Spec({"root": root}, call, [want], is_exact(dtype, op, exact),
+                          input_scale(data)))
+    return specs
+
+
+def _chunks(flat, n):
+    return list(flat.chunk(n)) if flat.numel() else [flat] * n
+
+
+def reduce_scatter(comm, dtype, count, op, exact=True, variant="plain"):
+    flats = _data("reduce_scatter", comm, comm.n * count, dtype, op, exact)
+    want = reduce_closed_form(flats, op, dtype)[comm.rank * count:(comm.rank + 1) * count]
+
+    def call(group, async_op):
+        out = torch.zeros(count, dtype=dtype)
+        ins = [c.clone() for c in _chunks(flats[comm.rank], comm.n)]
+        return dist.reduce_scatter(out, ins, op=op, group=group, async_op=async_op), [out]
+
+    return [Spec({}, call, [want], is_exact(dtype, op, exact), input_scale(flats))]
+
+
+def reduce_scatter_tensor(comm, dtype, count, op, exact=True, variant="plain"):
+    flats = _data(f"rst/{variant}", comm, comm.n * count, dtype, op, exact)
+    want = reduce_closed_form(flats, op, dtype)[comm.rank * count:(comm.rank + 1) * count]
+
+    def call(group, async_op):
+        inp = flats[comm.rank].clone()
+        if variant == "inplace":
+            out = inp.narrow(0, comm.rank * count, count)
+        else:
+            out = torch.zeros(count, dtype=dtype)
+        work = dist.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
+        return work, [out]
+
+    return [Spec({}, call, [want], is_exact(dtype, op, exact), input_scale(flats))]
+
+
+# --------------------------------------------------------------------------
+# Data movement (op is ignored; inputs use every bit of the dtype)
+# --------------------------------------------------------------------------
+
+
+def broadcast(comm, dtype, count, op=None, exact=False, variant="plain"):
+    specs = []
+    mult = {"plain": 1, "transposed": 3, "strided": 2}[variant]
+    for root in _roots(comm, count):
+        flats = _data(f"broadcast{root}/{variant}", comm, mult * count, dtype)
+        if variant == "plain":
+            expected = [flats[root]]
+        else:
+            views = _strided_views(flats, count, variant)
+            expected = [views[root][0]]
+            if variant == "strided":
+                base = flats[comm.rank].clone()
+                base[::2] = views[root][0]
+                expected.append(base)
+
+        def call(group, async_op, flats=flats, root=root):
+            if variant == "plain":
+                t = flats[comm.rank].clone()
+                return dist.broadcast(t, group_src=root, group=group, async_op=async_op), [t]
+            view, base = _strided_views([flats[comm.rank].clone()], count, variant)[0]
+            work = dist.broadcast(view, group_src=root, group=group, async_op=async_op)
+            return work, [view] + ([base] if base is not None else [])
+
+        specs.append(Spec({"root": root}, call, expected, same_on_all_ranks=True))
+    return specs
+
+
+def all_gather(comm, dtype, count, op=None, exact=False, variant="plain"):
+    data = _data(f"all_gather/{variant}", comm, 2 * count, dtype)
+    sent = [d[::2] if variant == "strided" else d[:count] for d in data]
+
+    def call(group, async_op):
+        outs = [torch.zeros(count, dtype=dtype) for _ in range(comm.n)]
+        mine = data[comm.rank].clone()
+        mine = mine[::2] if variant == "strided" else mine[:count]
+        return dist.all_gather(outs, mine, group=group, async_op=async_op), outs
+
+    return [Spec({}, call, [s.contiguous() for s in sent], same_on_all_ranks=True)]
+
+
+def all_gather_into_tensor(comm, dtype, count, op=None, exact=False, variant="plain"):
+    data = _data(f"agit/{variant}", comm, count, dtype)
+
+    def call(group, async_op):
+        out = torch.zeros(comm.n * count, dtype=dtype)
+        if variant == "inplace":
+            inp = out.narrow(0, comm.rank * count, count)
+            inp.copy_(data[comm.rank])
+        else:
+            inp = data[comm.rank].clone()
+        return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op), [out]
+
+    return [Spec({}, call, [torch.cat(data)], same_on_all_ranks=True)]
+
+
+def all_gather_coalesced(comm, dtype, count, op=None, exact=False, variant="plain"):
+    sizes = [count, 3]
+    data = [_data(f"agc{i}", comm, s, dtype) for i, s in enumerate(sizes)]
+
+    def call(group, async_op):
+        outs = [[torch.zeros(s, dtype=dtype) for s in sizes] for _ in range(comm.n)]
+        ins = [d[comm.rank].clone() for d in data]
+        work = dist.all_gather_coalesced(outs, ins, group=group, async_op=async_op)
+        return work, [t for per_rank in outs for t in per_rank]
+
+    expected = [data[i][r] for r in range(comm.n) for i in range(len(sizes))]
+    return [Spec({}, call, expected, same_on_all_ranks=True)]
+
+
+def gather(comm, dtype, count, op=None, exact=False, variant="plain"):
+    specs = []
+    for root in _roots(comm, count):
+        data = _data(f"gather{root}", comm, count, dtype)
+        is_root = comm.rank == root
+
+        def call(group, async_op, data=data, root=root, is_root=is_root):
+            outs = [torch.zeros(count, dtype=dtype) for _ in range(comm.n)] if is_root else None
+            work = dist.gather(data[comm.rank].clone(), outs, group_dst=root, group=group,
+                               async_op=async_op)
+            return work, outs or []
+
+        specs.append(Spec({"root": root}, call, data if is_root else []))
+    return specs
+
+
+def scatter(comm, dtype, count, op=None, exact=False, variant="plain"):
+    specs = []
+    for root in _roots(comm, count):
+        pieces = [make_input(f"scatter{root}->{dst}", root, count, dtype) for dst in range(comm.n)]
+
+        def call(group, async_op, pieces=pieces, root=root):
+            out = torch.zeros(count, dtype=dtype)
+            sources = [p.clone() for p in pieces] if comm.rank == root else None
+            work = dist.scatter(out, sources, group_src=root, group=group, async_op=async_op)
+            return work, [out]
+
+        specs.append(Spec({"root": root}, call, [pieces[comm.rank]]))
+    return specs
+
+
+def _a2a_pieces(tag, comm, count, dtype, even):
+    """pieces[src][dst]: what src sends dst."""
+    size = (lambda s, d: count) if even else (lambda s, d: _split(s, d, count, comm.n))
+    return [[make_input(f"{tag}{s}->{d}", s, size(s, d), dtype) for d in range(comm.n)]
+            for s in range(comm.n)]
+
+
+def all_to_all_single(comm, dtype, count, op=None, exact=False, variant="plain"):
+    even = variant == "plain"
+    pieces = _a2a_pieces(f"a2as/{variant}", comm, count, dtype, even)
+    mine = [pieces[comm.rank][d] for d in range(comm.n)]
+    theirs = [pieces[s][comm.rank] for s in range(comm.n)]
+
+    def call(group, async_op):
+        inp = torch.cat(mine)
+        out = torch.zeros(sum(t.numel() for t in theirs), dtype=dtype)
+        splits = {} if even else {
+            "output_split_sizes": [t.numel() for t in theirs],
+            "input_split_sizes": [t.numel() for t in mine]}
+        work = dist.all_to_all_single(out, inp, group=group, async_op=async_op, **splits)
+        return work, [out]
+
+    return [Spec({}, call, [torch.cat(theirs)])]
+
+
+def all_to_all(comm, dtype, count, op=None, exact=False, variant="plain"):
+    pieces = _a2a_pieces(f"a2a/{variant}", comm, count, dtype, even=variant == "plain")
+    theirs = [pieces[s][comm.rank] for s in range(comm.n)]
+
+    def call(group, async_op):
+        outs = [torch.zeros(t.numel(), dtype=dtype) for t in theirs]
+        ins = [p.clone() for p in pieces[comm.rank]]
+        return dist.all_to_all(outs, ins, group=group, async_op=async_op), outs
+
+    return [Spec({}, call, theirs)]
+
+
+REDUCING = {
+    "all_reduce": (all_reduce, ["plain", "transposed", "strided"]),
+    "all_reduce_coalesced": (all_reduce_coalesced, ["plain"]),
+    "reduce": (reduce, ["plain"]),
+    "reduce_scatter": (reduce_scatter, ["plain"]),
+    "reduce_scatter_tensor": (reduce_scatter_tensor, ["plain", "inplace"]),
+}
+MOVING = {
+    "broadcast": (broadcast, ["plain", "transposed", "strided"]),
+    "all_gather": (all_gather, ["plain", "strided"]),
+    "all_gather_into_tensor": (all_gather_into_tensor, ["plain", "inplace"]),
+    "all_gather_coalesced": (all_gather_coalesced, ["plain"]),
+    "gather": (gather, ["plain"]),
+    "scatter": (scatter, ["plain"]),
+    "all_to_all_single": (all_to_all_single, ["plain", "uneven"]),
+    "all_to_all": (all_to_all, ["plain", "uneven"]),
+}
+BUILDERS = {**REDUCING, **MOVING}

@@ -1,0 +1,253 @@
+"""Every collective on the backend under test against closed forms and gloo.
+
+One remote call per (collective, world size) sweeps dtypes x counts x reduce
+ops x layouts inside the workers; a failure lists every failing sub-case.
+"""
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _cases import (COUNTS, DTYPES, LARGE, VARIANT_COUNTS, R, Cases, assert_cases, backend_can,
+                    check_future, check_work, gloo_can, make_input, ops_for)
+from _specs import BUILDERS, MOVING, REDUCING, sub_comm, world_comm
+
+SIZES = [1, 2, 3, 4]
+SUBGROUPS = [(4, (0, 2)), (4, (1, 2, 3)), (3, (0, 2)), (2, (1,))]
+LARGE_OPS = [R.SUM, R.MAX]
+SMALL_SWEEP = dict(dtypes=[torch.float32, torch.bfloat16, torch.int64, torch.bool],
+                   counts=[0, 7, 1003], ops=[R.SUM, R.MAX])
+
+
+def _op_kinds(name, dtype, count, ops=None):
+    """(op, exact_data) pairs to run; random float data only for SUM/AVG.
+
+    The large count runs every op on all_reduce, SUM and MAX elsewhere.
+    """
+    if name in MOVING:
+        return [(None, False)]
+    if count >= LARGE and name != "all_reduce":
+        ops = [op for op in ops or LARGE_OPS if op in LARGE_OPS]
+    inexact_ok = dtype.is_floating_point or dtype.is_complex
+    pairs = []
+    for op in ops_for(dtype, include_complex_product=not name.startswith("all_reduce")):
+        if ops is None or op in ops:
+            pairs.append((op, True))
+            if inexact_ok and op in (R.SUM, R.AVG):
+                pairs.append((op, False))
+    return pairs
+
+
+def _check_outputs(cases, spec, tested, oracle=None):
+    if len(tested) != len(spec.expected):
+        cases.fail(f"{len(tested)} outputs, expected {len(spec.expected)}")
+        return
+    for i, (got, want) in enumerate(zip(tested, spec.expected)):
+        if want is None:
+            continue
+        cases.matches(got, want, spec.exact, spec.scale, f"output {i} vs closed form")
+        if oracle is not None:
+            cases.matches(got, oracle[i], spec.exact, 2 * spec.scale, f"output {i} vs gloo")
+    if spec.same_on_all_ranks:
+        cases.record_digest(tested)
+
+
+def _labels(dtype, count, op, exact, variant):
+    fields = dict(dtype=dtype, count=count)
+    if op is not None:
+        fields.update(op=op, data="exact" if exact else "random")
+    if variant != "plain":
+        fields["variant"] = variant
+    return fields
+
+
+def sweep(ctx, name, ranks=None, dtypes=DTYPES, counts=COUNTS, ops=None):
+    """Remote: run collective `name` over the sweep; returns Cases.result()."""
+    comm = world_comm(ctx) if ranks is None else sub_comm(ctx, ranks)
+    cases = Cases(ctx, name if ranks is None else f"{name} group={list(ranks)}")
+    if comm is None:
+        return cases.result()
+    build, variants = BUILDERS[name]
+    for variant in variants if ranks is None else ["plain"]:
+        for dtype, count in itertools.product(
+                dtypes, counts if variant == "plain" else VARIANT_COUNTS):
+            for op, exact in _op_kinds(name, dtype, count, ops):
+                if not backend_can(ctx, name, dtype, op, variant):
+                    continue
+                use_oracle = gloo_can(name, dtype, op, variant)
+                labels = _labels(dtype, count, op, exact, variant)
+                with cases.case(**labels):
+                    specs = build(comm, dtype, count, op, exact, variant)
+                for spec in specs:
+                    with cases.case(**labels, **spec.label):
+                        _run_spec(cases, comm, spec, use_oracle)
+    return cases.result()
+
+
+def _run_spec(cases, comm, spec, use_oracle):
+    _, tested = spec.call(comm.tested, False)
+    oracle = spec.call(comm.oracle, False)[1] if use_oracle else None
+    _check_outputs(cases, spec, tested, oracle)
+
+
+@pytest.mark.parametrize("world_size", SIZES)
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_collective_matches_oracles(worlds, name, world_size):
+    assert_cases(worlds.run(world_size, sweep, name))
+
+
+@pytest.mark.parametrize("world_size, ranks", SUBGROUPS)
+@pytest.mark.parametrize("kind", ["reducing", "moving"])
+def test_subgroup_collectives(worlds, world_size, ranks, kind):
+    names = sorted(REDUCING if kind == "reducing" else MOVING)
+    results = worlds.run(world_size, sweep_many, names, ranks)
+    assert_cases(results)
+
+
+def sweep_many(ctx, names, ranks):
+    merged = None
+    for name in names:
+        result = sweep(ctx, name, ranks, **SMALL_SWEEP)
+        if merged is None:
+            merged = result
+        else:
+            merged["failures"] += result["failures"]
+            merged["digests"].update(result["digests"])
+            merged["checks"] += result["checks"]
+    return merged
+
+
+# --------------------------------------------------------------------------
+# async_op=True: everything in flight at once, waited in reverse order
+# --------------------------------------------------------------------------
+
+
+def issue_all_async(ctx, dtypes, counts):
+    """Remote: issue every collective async, then wait newest first."""
+    comm = world_comm(ctx)
+    cases = Cases(ctx, "async")
+    issued = []
+    for name in sorted(BUILDERS):
+        build = BUILDERS[name][0]
+        op = R.SUM if name in REDUCING else None
+        for dtype in dtypes:
+            for count in counts:
+                if not backend_can(ctx, name, dtype, op):
+                    continue
+                for spec in build(comm, dtype, count, op, True, "plain"):
+                    labels = dict(collective=name, dtype=dtype, count=count, **spec.label)
+                    with cases.case(**labels):
+                        handle, outputs = spec.call(comm.tested, True)
+                    issued.append((name, labels, spec, handle, outputs))
+    for name, labels, spec, handle, outputs in reversed(issued):
+        with cases.case(**labels):
+            if isinstance(handle, torch._C.Future):
+                check_future(cases, handle, outputs)
+            else:
+                check_work(cases, handle, outputs, name)
+            _check_outputs(cases, spec, outputs)
+    return cases.result()
+
+
+@pytest.mark.parametrize("world_size", SIZES)
+def test_async_ops_complete_with_futures(worlds, world_size):
+    dtypes = [torch.float32, torch.int64]
+    assert_cases(worlds.run(world_size, issue_all_async, dtypes, [7, LARGE]))
+
+
+def concurrent_groups(ctx, ranks):
+    """Remote: async ops on the default group and a subgroup, interleaved."""
+    comm = sub_comm(ctx, ranks)
+    cases = Cases(ctx, f"concurrent world+group={list(ranks)}")
+    n = ctx.world_size
+    world_data = [make_input("cg-world", r, LARGE, torch.float64, R.SUM) for r in range(n)]
+    world_t = world_data[ctx.rank].clone()
+    work_world = dist.all_reduce(world_t, async_op=True)
+    if comm is not None:
+        sub_data = [make_input("cg-sub", r, LARGE, torch.float64, R.SUM) for r in range(comm.n)]
+        sub_t = sub_data[comm.rank].clone()
+        work_sub = dist.all_reduce(sub_t, group=comm.tested, async_op=True)
+        check_work(cases, work_sub, [sub_t], "all_reduce")
+        cases.equal(sub_t, sum(sub_data), "subgroup result")
+    check_work(cases, work_world, [world_t], "all_reduce")
+    cases.equal(world_t, sum(world_data), "world result")
+    return cases.result()
+
+
+@pytest.mark.parametrize("world_size, ranks", SUBGROUPS)
+def test_default_group_and_subgroup_interleave(worlds, world_size, ranks):
+    assert_cases(worlds.run(world_size, concurrent_groups, ranks))
+
+
+# --------------------------------------------------------------------------
+# Point to point
+# --------------------------------------------------------------------------
+
+
+def _ring_async(cases, rank, n, mine, got, group):
+    works = [dist.isend(mine.clone(), group_dst=(rank + 1) % n, group=group),
+             dist.irecv(got, group_src=(rank - 1) % n, group=group)]
+    for work in works:
+        cases.true(work.wait() is True, "p2p work.wait() did not return True")
+        cases.true(work.is_completed(), "p2p work not completed after wait()")
+
+
+def _ring_blocking(rank, n, mine, got, group):
+    right, left = (rank + 1) % n, (rank - 1) % n
+    if rank % 2 == 0:
+        dist.send(mine, group_dst=right, group=group)
+        dist.recv(got, group_src=left, group=group)
+    else:
+        dist.recv(got, group_src=left, group=group)
+        dist.send(mine, group_dst=right, group=group)
+
+
+def _any_source(ctx, cases, dtype, count):
+    """Rank 0 receives one message from every other rank with src=None."""
+    if ctx.rank != 0:
+        dist.send(make_input("any", ctx.rank, count, dtype), 0)
+    else:
+        seen = set()
+        for _ in range(ctx.world_size - 1):
+            got = torch.zeros(count, dtype=dtype)
+            src = dist.recv(got)
+            seen.add(src)
+            cases.equal(got, make_input("any", src, count, dtype), f"message from {src}")
+        cases.true(seen == set(range(1, ctx.world_size)), f"sources {sorted(seen)}")
+    dist.barrier(group=ctx.oracle)  # no message of the next round overtakes
+
+
+def point_to_point(ctx, ranks, dtypes, counts):
+    comm = world_comm(ctx) if ranks is None else sub_comm(ctx, ranks)
+    cases = Cases(ctx, "p2p" if ranks is None else f"p2p group={list(ranks)}")
+    for dtype in dtypes:
+        if not backend_can(ctx, "p2p", dtype):
+            continue
+        for count in counts:
+            if comm is not None and comm.n > 1:
+                want = make_input("ring", (comm.rank - 1) % comm.n, count, dtype)
+                mine = make_input("ring", comm.rank, count, dtype)
+                for mode, run in (("isend/irecv", _ring_async), ("send/recv", None)):
+                    with cases.case(dtype=dtype, count=count, mode=mode):
+                        got = torch.zeros(count, dtype=dtype)
+                        if run is not None:
+                            run(cases, comm.rank, comm.n, mine, got, comm.tested)
+                        else:
+                            _ring_blocking(comm.rank, comm.n, mine, got, comm.tested)
+                        cases.equal(got, want, "received")
+            if ranks is None and backend_can(ctx, "recv_any", dtype, count=count):
+                with cases.case(dtype=dtype, count=count, mode="recv any source"):
+                    _any_source(ctx, cases, dtype, count)
+    return cases.result()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_send_recv(worlds, world_size):
+    assert_cases(worlds.run(world_size, point_to_point, None, DTYPES, COUNTS))
+
+
+@pytest.mark.parametrize("world_size, ranks", [(4, (1, 2, 3)), (3, (0, 2))])
+def test_send_recv_in_subgroup(worlds, world_size, ranks):
+    counts = [1, 1003]
+    assert_cases(worlds.run(world_size, point_to_point, ranks, [torch.float32], counts))

@@ -1,0 +1,19 @@
+"""Entry point of the `torch.backends` group: `import torch` calls `autoload()`.
+
+Whatever goes wrong here must never break `import torch`: warn and go on.
+"""
+import warnings
+
+
+def autoload() -> None:
+    try:
+        from torch_ringreduce._registration import register
+
+        register()
+    except Exception as err:  # noqa: BLE001 - must not propagate into `import torch`
+        warnings.warn(
+            f"torch_ringreduce: could not register the 'ringreduce' backend "
+            f"({type(err).__name__}: {err}); import torch_ringreduce to see the full error",
+            RuntimeWarning,
+            stacklevel=2,
+        )
