@@ -38,7 +38,8 @@ def sources(cuda: bool) -> list:
 
 def extension():
     cuda = want_cuda()
-    cxx = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+    # The language standard comes from torch (C++20 for 2.13).
+    cxx = ["-O3", "-Wall", "-Wno-unused-parameter"]
     kwargs = dict(
         name="torch_ringreduce._C",
         sources=sources(cuda),
@@ -53,7 +54,11 @@ def extension():
     return CppExtension(**kwargs)
 
 
+# RINGREDUCE_METADATA_ONLY=1: install the package and its entry point without
+# compiling (the Makefile builds the extension in place first, incrementally).
+METADATA_ONLY = os.environ.get("RINGREDUCE_METADATA_ONLY") == "1"
+
 setup(
-    ext_modules=[extension()],
+    ext_modules=[] if METADATA_ONLY else [extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

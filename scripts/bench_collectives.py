@@ -8,21 +8,24 @@ under torchrun it takes RANK/WORLD_SIZE from the environment and ignores --nproc
 The default group is gloo and carries only control traffic (barriers, agreeing
 on iteration counts and timings); each benchmarked backend gets its own group.
 
-Per op, size and backend: warm-up, a barrier, a timed loop of blocking
-collectives (time per iteration, the maximum over ranks), then one collective
-on fresh inputs checked against a closed form (#wrong: elements that differ,
-summed over ranks). Sizes are bytes of the whole buffer, as in nccl-tests: the
-output of allgather and gather, the input of reduce_scatter and scatter, each
-rank's buffer for alltoall. busbw factors are those of DESIGN.md.
+Per op and size, each backend warms up (which also sizes the timed loops to
+about --target-time), then --repeats timed loops of blocking collectives run,
+alternating between backends, each after a barrier; a loop's time per
+iteration is the maximum over ranks and a row reports the median loop. Last,
+one collective on fresh inputs is checked against a closed form (#wrong:
+elements that differ, summed over ranks). Sizes are bytes of the whole buffer,
+as in nccl-tests: the output of allgather and gather, the input of
+reduce_scatter and scatter, each rank's buffer for alltoall. busbw factors are
+those of DESIGN.md. The collectives and their closed forms: _bench_ops.py.
 
 Exit status: 0 all correct; 1 a row had wrong elements or a collective raised;
 2 a requested backend could not create a group (the other backends still run).
 """
 import argparse
-import dataclasses
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -30,233 +33,9 @@ import torch
 import torch.distributed as dist
 
 import _bench_util as bu
+from _bench_ops import OPS, REDOPS, Ctx
 
-REDOPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 RATIO_W = 16
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class Ctx:
-    rank: int
-    n: int
-    root: int
-    dtype: torch.dtype
-    device: torch.device
-    redop: str
-
-
-# ------------------------------------------------------------ closed forms
-# Rank r contributes ramp(i) + r + 1 at element i, with ramp(i) = i % 7: small
-# integers, exact in every dtype, and a misplaced chunk or element shows.
-
-def ramp(ctx, length, offset=0):
-    index = torch.arange(offset, offset + length, device=ctx.device)
-    return (index % 7).to(ctx.dtype)
-
-
-def reduced(ctx, base):
-    """Expected reduction over ranks of base + r + 1."""
-    if ctx.redop == "sum":
-        return base * ctx.n + ctx.n * (ctx.n + 1) // 2
-    return base + (ctx.n if ctx.redop == "max" else 1)
-
-
-def count_wrong(actual, expected):
-    return int((actual != expected).sum().item())
-
-
-def chunks_wrong(ctx, buf, chunk, value_of):
-    """Wrong elements of `buf` whose chunk j should hold ramp + value_of(j)."""
-    base = ramp(ctx, chunk)
-    return sum(count_wrong(buf[j * chunk:(j + 1) * chunk], base + value_of(j))
-               for j in range(ctx.n))
-
-
-# ------------------------------------------------------------ collectives
-
-class Collective:
-    """One op on preallocated buffers. `count` is elements of the whole buffer."""
-    chunked = False  # the buffer splits into n equal chunks
-
-    def __init__(self, ctx, count):
-        self.ctx, self.count = ctx, count
-        self.chunk = count // ctx.n
-
-    def empty(self, count):
-        return torch.empty(count, dtype=self.ctx.dtype, device=self.ctx.device)
-
-    def bus_factor(self):
-        return (self.ctx.n - 1) / self.ctx.n
-
-    def fill_timing(self):
-        self.fill_check()
-
-
-class AllReduce(Collective):
-    def __init__(self, ctx, count):
-        super().__init__(ctx, count)
-        self.buf = self.empty(count)
-
-    def bus_factor(self):
-        return 2 * (self.ctx.n - 1) / self.ctx.n
-
-    def fill_timing(self):
-        self.buf.zero_()  # in place: zeros stay finite however many iterations
-
-    def fill_check(self):
-        self.buf.copy_(ramp(self.ctx, self.count) + self.ctx.rank + 1)
-
-    def run(self, group):
-        dist.all_reduce(self.buf, op=REDOPS[self.ctx.redop], group=group)
-
-    def wrong(self):
-        return count_wrong(self.buf, reduced(self.ctx, ramp(self.ctx, self.count)))
-
-
-class Reduce(AllReduce):
-    def bus_factor(self):
-        return 1.0
-
-    def run(self, group):
-        dist.reduce(self.buf, dst=self.ctx.root, op=REDOPS[self.ctx.redop], group=group)
-
-    def wrong(self):
-        return super().wrong() if self.ctx.rank == self.ctx.root else 0
-
-
-class Broadcast(AllReduce):
-    def bus_factor(self):
-        return 1.0
-
-    def fill_timing(self):
-        self.fill_check()
-
-    def fill_check(self):
-        if self.ctx.rank == self.ctx.root:
-            self.buf.copy_(ramp(self.ctx, self.count) + self.ctx.root + 1)
-        else:
-            self.buf.fill_(-1)
-
-    def run(self, group):
-        dist.broadcast(self.buf, src=self.ctx.root, group=group)
-
-    def wrong(self):
-        return count_wrong(self.buf, ramp(self.ctx, self.count) + self.ctx.root + 1)
-
-
-class AllGather(Collective):
-    chunked = True
-
-    def __init__(self, ctx, count):
-        super().__init__(ctx, count)
-        self.inp, self.out = self.empty(self.chunk), self.empty(count)
-
-    def fill_check(self):
-        self.inp.copy_(ramp(self.ctx, self.chunk) + self.ctx.rank + 1)
-        self.out.fill_(-1)
-
-    def run(self, group):
-        _all_gather(self.out, self.inp, group=group)
-
-    def wrong(self):
-        return chunks_wrong(self.ctx, self.out, self.chunk, lambda j: j + 1)
-
-
-class ReduceScatter(Collective):
-    chunked = True
-
-    def __init__(self, ctx, count):
-        super().__init__(ctx, count)
-        self.inp, self.out = self.empty(count), self.empty(self.chunk)
-
-    def fill_check(self):
-        self.inp.copy_(ramp(self.ctx, self.count) + self.ctx.rank + 1)
-        self.out.fill_(-1)
-
-    def run(self, group):
-        _reduce_scatter(self.out, self.inp, op=REDOPS[self.ctx.redop], group=group)
-
-    def wrong(self):
-        base = ramp(self.ctx, self.chunk, offset=self.ctx.rank * self.chunk)
-        return count_wrong(self.out, reduced(self.ctx, base))
-
-
-class AllToAll(Collective):
-    chunked = True
-
-    def __init__(self, ctx, count):
-        super().__init__(ctx, count)
-        self.inp, self.out = self.empty(count), self.empty(count)
-
-    def fill_check(self):
-        ctx, base = self.ctx, ramp(self.ctx, self.chunk)
-        for j, part in enumerate(self.inp.split(self.chunk)):
-            part.copy_(base + ctx.rank * ctx.n + j + 1)  # encodes (sender, receiver)
-        self.out.fill_(-1)
-
-    def run(self, group):
-        dist.all_to_all_single(self.out, self.inp, group=group)
-
-    def wrong(self):
-        ctx = self.ctx
-        return chunks_wrong(ctx, self.out, self.chunk, lambda j: j * ctx.n + ctx.rank + 1)
-
-
-class Gather(Collective):
-    chunked = True
-
-    def __init__(self, ctx, count):
-        super().__init__(ctx, count)
-        self.is_root = ctx.rank == ctx.root
-        self.inp = self.empty(self.chunk)
-        self.out = self.empty(count) if self.is_root else None
-        self.parts = list(self.out.split(self.chunk)) if self.is_root else None
-
-    def fill_check(self):
-        self.inp.copy_(ramp(self.ctx, self.chunk) + self.ctx.rank + 1)
-        if self.is_root:
-            self.out.fill_(-1)
-
-    def run(self, group):
-        dist.gather(self.inp, self.parts, dst=self.ctx.root, group=group)
-
-    def wrong(self):
-        if not self.is_root:
-            return 0
-        return chunks_wrong(self.ctx, self.out, self.chunk, lambda j: j + 1)
-
-
-class Scatter(Collective):
-    chunked = True
-
-    def __init__(self, ctx, count):
-        super().__init__(ctx, count)
-        self.is_root = ctx.rank == ctx.root
-        self.inp = self.empty(count) if self.is_root else None
-        self.parts = list(self.inp.split(self.chunk)) if self.is_root else None
-        self.out = self.empty(self.chunk)
-
-    def fill_check(self):
-        base = ramp(self.ctx, self.chunk)
-        if self.is_root:
-            for j, part in enumerate(self.parts):
-                part.copy_(base + j + 1)
-        self.out.fill_(-1)
-
-    def run(self, group):
-        dist.scatter(self.out, self.parts, src=self.ctx.root, group=group)
-
-    def wrong(self):
-        return count_wrong(self.out, ramp(self.ctx, self.chunk) + self.ctx.rank + 1)
-
-
-OPS = {
-    "allreduce": AllReduce, "broadcast": Broadcast, "reduce": Reduce,
-    "allgather": AllGather, "reduce_scatter": ReduceScatter, "alltoall": AllToAll,
-    "gather": Gather, "scatter": Scatter,
-}
 
 
 # ------------------------------------------------------------ measuring
@@ -271,18 +50,19 @@ def timed_loop(op, group, iters):
     return bu.agree_max((time.perf_counter() - start) / iters)
 
 
-def plan_and_time(op, group, args):
-    """Warm up, pick the iteration count (all ranks agree), time. -> (s, iters, warmup)."""
+def plan(op, group, args):
+    """Warm up; pick the iterations per repeat (all ranks agree). -> (iters, warmup)."""
     op.fill_timing()
     if args.iters:
         if args.warmup:
             timed_loop(op, group, args.warmup)
-        return timed_loop(op, group, args.iters), args.iters, args.warmup
+        return args.iters, args.warmup
     first = max(timed_loop(op, group, 1), 1e-9)
     more = min(max(args.warmup or 5, 1) - 1, int(0.25 * args.target_time / first))
     estimate = timed_loop(op, group, more) if more > 0 else first
-    iters = max(args.min_iters, min(args.max_iters, int(args.target_time / estimate)))
-    return timed_loop(op, group, iters), iters, 1 + more
+    fewest = -(-args.min_iters // args.repeats)  # min_iters over all repeats together
+    budget = args.target_time / args.repeats
+    return max(fewest, min(args.max_iters, int(budget / estimate))), 1 + more
 
 
 def check(op, group, enabled):
@@ -299,20 +79,55 @@ def base_row(op_name, op, backend, args):
     return {"op": op_name, "backend": backend, "size_bytes": op.count * op.ctx.dtype.itemsize,
             "count": op.count, "dtype": args.dtype, "world_size": op.ctx.n,
             "redop": op.ctx.redop, "root": op.ctx.root, "device": args.device,
-            "time_us": None, "algbw_GBps": None, "busbw_GBps": None, "wrong": None}
+            "time_us": None, "algbw_GBps": None, "busbw_GBps": None, "wrong": None,
+            "error": None}
 
 
-def measure(op_name, op, backend, group, args):
-    row = base_row(op_name, op, backend, args)
+def attempt(row, fn, *fn_args):
+    """fn(*fn_args); on an exception record it in row and return None.
+
+    A backend that lacks an op must not end the sweep. Once a row has an
+    error, later attempts on it do nothing.
+    """
+    if row["error"]:
+        return None
     try:
-        seconds, iters, warmup = plan_and_time(op, group, args)
-        wrong = check(op, group, not args.no_check)
-    except Exception as err:  # a backend missing an op must not end the sweep
-        return dict(row, error=bu.short_error(err))
+        return fn(*fn_args)
+    except Exception as err:
+        row["error"] = bu.short_error(err)
+        return None
+
+
+def measure_size(op_name, op, groups, failed, args):
+    """One row per backend for one size.
+
+    Each backend warms up, then the timed repeats alternate between backends
+    (in turned order every other repeat), so a burst of noise from the machine
+    hits one repeat of one backend, not a whole backend; the row reports the
+    median repeat. Then each backend is checked on fresh inputs.
+    """
+    rows = {b: base_row(op_name, op, b, args) for b in groups}
+    for b in failed:
+        rows[b]["error"] = "skipped: raised at a smaller size"
+    plans = {b: attempt(rows[b], plan, op, g, args) for b, g in groups.items()}
+    reps = {b: [] for b in groups}
+    for rep in range(args.repeats):
+        for b in list(groups)[::1 if rep % 2 == 0 else -1]:
+            if plans[b]:
+                reps[b].append(attempt(rows[b], timed_loop, op, groups[b], plans[b][0]))
+    for b, group in groups.items():
+        wrong = attempt(rows[b], check, op, group, not args.no_check)
+        if not rows[b]["error"]:
+            fill_row(rows[b], op, reps[b], plans[b], wrong)
+    return list(rows.values())
+
+
+def fill_row(row, op, reps, plan_, wrong):
+    seconds = statistics.median(reps)
     algbw = row["size_bytes"] / seconds / 1e9
-    return dict(row, time_us=seconds * 1e6, algbw_GBps=algbw,
-                busbw_GBps=algbw * op.bus_factor(), wrong=wrong,
-                iters=iters, warmup=warmup, error=None)
+    row.update(time_us=seconds * 1e6, algbw_GBps=algbw, busbw_GBps=algbw * op.bus_factor(),
+               wrong=wrong, iters=plan_[0], warmup=plan_[1],
+               time_us_repeats=[t * 1e6 for t in reps])
 
 
 # ------------------------------------------------------------ groups
@@ -407,17 +222,13 @@ def sweep_op(op_name, ctx, groups, sizes, args, progress):
             count -= count % ctx.n
         if count == 0:
             continue
-        op, line = cls(ctx, count), []
-        for backend, group in groups.items():
-            if backend in failed:
-                row = dict(base_row(op_name, op, backend, args), error="skipped: raised before")
-            else:
-                row = measure(op_name, op, backend, group, args)
-            if row.get("error") and backend not in failed:
-                failed.add(backend)
-                progress.write(f"# {op_name} on {backend} raised: {row['error']}")
-            line.append(row)
-            progress.update()
+        op = cls(ctx, count)
+        line = measure_size(op_name, op, groups, failed, args)
+        for row in line:
+            if row["error"] and row["backend"] not in failed:
+                failed.add(row["backend"])
+                progress.write(f"# {op_name} on {row['backend']} raised: {row['error']}")
+        progress.update(len(line))
         progress.write(format_line(line))
         rows += line
         del op  # free this size's buffers before the next size allocates its own
@@ -492,12 +303,16 @@ def parse_args(argv=None):
     p.add_argument("--redop", choices=list(REDOPS), default="sum")
     p.add_argument("--root", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--iters", type=int, default=0, help="timed iterations (default: adapt)")
+    p.add_argument("--iters", type=int, default=0,
+                   help="timed iterations per repeat (default: adapt to --target-time)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats per row, alternating backends; the median is reported")
     p.add_argument("--warmup", type=int, default=0,
                    help="warm-up iterations (default: adapt, at most 5)")
     p.add_argument("--target-time", type=float, default=0.3,
-                   help="seconds of timed loop per row when adapting (default 0.3)")
-    p.add_argument("--min-iters", type=int, default=3)
+                   help="seconds of timed loops per row and backend, all repeats (default 0.3)")
+    p.add_argument("--min-iters", type=int, default=3,
+                   help="fewest timed iterations per row, all repeats together (default 3)")
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--no-check", action="store_true", help="skip the result check")
     p.add_argument("--timeout", type=float, default=300, help="group timeout in seconds")
@@ -512,6 +327,8 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
+    if args.repeats < 1 or args.min_iters < 1:
+        raise SystemExit("--repeats and --min-iters must be >= 1")
     if len(set(args.backends)) != len(args.backends):
         raise SystemExit("--backends: each backend at most once")
     if not 0 <= args.root < (int(os.environ.get("WORLD_SIZE", 0)) or args.nproc):

@@ -17,6 +17,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import signal
+import sys
 import time
 import traceback
 import uuid
@@ -165,10 +167,14 @@ def _worker_main(conn, rank, world_size, backend, store_dir, pg_timeout_s, init)
 
 
 def _shutdown(ctx):
+    """Destroy the groups, then exit at once: interpreter teardown is slow."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------
@@ -194,6 +200,31 @@ def _rebuild_error(outcome, world_size):
     return err, text
 
 
+def _outcome_line(rank, outcome):
+    if outcome is None:
+        return f"  rank {rank}: no answer (killed)"
+    if outcome.ok:
+        return f"  rank {rank}: ok"
+    if outcome.error is not None:
+        last = outcome.text.strip().splitlines()[-1] if outcome.text.strip() else "?"
+        for line in outcome.text.splitlines():
+            if line and not line.startswith((" ", "Traceback", "in case:", "(raised")):
+                last = line  # the exception line, not the traceback frames
+        return f"  rank {rank}: {last[:300]}"
+    code = outcome.exitcode
+    if code is not None and code < 0:
+        try:
+            code = f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"  rank {rank}: process died, exit code {code}"
+
+
+def _summary(outcomes, world_size):
+    return "\n".join(_outcome_line(r, outcomes[r] if r < len(outcomes) else None)
+                     for r in range(world_size))
+
+
 class World:
     """N live worker processes; see the module docstring."""
 
@@ -202,6 +233,7 @@ class World:
         self.world_size = world_size
         self.backend = backend or backend_under_test()
         self.broken = False
+        self._stop_requested = False
         self.store_dir = os.path.join(str(tmpdir), f"world{world_size}-{uuid.uuid4().hex[:8]}")
         os.makedirs(self.store_dir)
         mp = multiprocessing.get_context("spawn")
@@ -230,8 +262,8 @@ class World:
         waits the full timeout for every rank (for tests that kill ranks).
         """
         __tracebackhide__ = True
-        if self.broken:
-            raise RuntimeError("world is broken by an earlier failure; build a new one")
+        if self.broken or self._stop_requested:
+            raise RuntimeError("world is closed or broken by an earlier failure")
         for conn in self._conns:
             conn.send((fn, args, kwargs))
         return self._collect(timeout, raise_on_error)
@@ -292,17 +324,17 @@ class World:
         __tracebackhide__ = True
         failed = [o for o in outcomes if o is not None and not o.ok]
         errors = [o for o in failed if o.error is not None]
+        summary = _summary(outcomes, self.world_size)
         if errors:
             first = min(errors, key=lambda o: o.elapsed_s or 0.0)
             err, _ = _rebuild_error(first, self.world_size)
+            if len(outcomes) > 1 and hasattr(err, "add_note"):
+                err.add_note(f"every rank:\n{summary}")
             raise err
         if failed:
-            deaths = ", ".join(f"rank {o.rank} (exit code {o.exitcode})" for o in failed)
-            raise RankDied(f"{self.backend} world of {self.world_size}: {deaths} died")
-        silent = [r for r, o in enumerate(outcomes) if o is None]
-        raise RankTimeout(
-            f"{self.backend} world of {self.world_size}: ranks {silent} did not "
-            f"answer within {timeout:.0f} s; world killed")
+            raise RankDied(f"{self.backend} world of {self.world_size}: a rank died\n{summary}")
+        raise RankTimeout(f"{self.backend} world of {self.world_size}: no answer within "
+                          f"{timeout:.0f} s; world killed\n{summary}")
 
     def kill(self):
         """Terminate every worker at once (no clean shutdown)."""
@@ -315,15 +347,22 @@ class World:
         for conn in self._conns:
             conn.close()
 
-    def close(self, timeout=15.0):
-        """Clean shutdown: every rank destroys its groups and exits."""
-        if self.broken:
+    def request_stop(self):
+        """Ask every rank to destroy its groups and exit (does not wait)."""
+        if self.broken or self._stop_requested:
             return
+        self._stop_requested = True
         for conn in self._conns:
             try:
                 conn.send(None)
             except OSError:
                 pass
+
+    def close(self, timeout=15.0):
+        """Clean shutdown, then kill whatever has not exited by the timeout."""
+        if self.broken:
+            return
+        self.request_stop()
         deadline = time.monotonic() + timeout
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -350,6 +389,8 @@ class WorldPool:
         return self.get(world_size).run(fn, *args, **kwargs)
 
     def close(self):
+        for world in self._worlds.values():
+            world.request_stop()  # all worlds shut down in parallel
         for world in self._worlds.values():
             world.close()
         self._worlds.clear()

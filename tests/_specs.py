@@ -47,7 +47,7 @@ class Spec:
     expected: List[Optional[torch.Tensor]]
     exact: bool = True
     scale: float = 1.0
-    same_on_all_ranks: bool = False
+    shared: int = 0  # leading outputs every rank must hold bit for bit
 
 
 def _data(tag, comm, count, dtype, op=None, exact=True):
@@ -98,7 +98,7 @@ def all_reduce(comm, dtype, count, op, exact=True, variant="plain"):
         work = dist.all_reduce(view, op=op, group=group, async_op=async_op)
         return work, [view] + ([base] if base is not None else [])
 
-    return [Spec({}, call, expected, is_exact(dtype, op, exact), input_scale(views), True)]
+    return [Spec({}, call, expected, is_exact(dtype, op, exact), input_scale(views), 1)]
 
 
 def all_reduce_coalesced(comm, dtype, count, op, exact=True, variant="plain"):
@@ -111,7 +111,7 @@ def all_reduce_coalesced(comm, dtype, count, op, exact=True, variant="plain"):
         return dist.all_reduce_coalesced(ts, op=op, group=group, async_op=async_op), ts
 
     scale = max(input_scale(d) for d in data)
-    return [Spec({}, call, expected, is_exact(dtype, op, exact), scale, True)]
+    return [Spec({}, call, expected, is_exact(dtype, op, exact), scale, len(expected))]
 
 
 def reduce(comm, dtype, count, op, exact=True, variant="plain"):
@@ -190,7 +190,7 @@ def broadcast(comm, dtype, count, op=None, exact=False, variant="plain"):
             work = dist.broadcast(view, group_src=root, group=group, async_op=async_op)
             return work, [view] + ([base] if base is not None else [])
 
-        specs.append(Spec({"root": root}, call, expected, same_on_all_ranks=True))
+        specs.append(Spec({"root": root}, call, expected, shared=1))
     return specs
 
 
@@ -204,7 +204,7 @@ def all_gather(comm, dtype, count, op=None, exact=False, variant="plain"):
         mine = mine[::2] if variant == "strided" else mine[:count]
         return dist.all_gather(outs, mine, group=group, async_op=async_op), outs
 
-    return [Spec({}, call, [s.contiguous() for s in sent], same_on_all_ranks=True)]
+    return [Spec({}, call, [s.contiguous() for s in sent], shared=comm.n)]
 
 
 def all_gather_into_tensor(comm, dtype, count, op=None, exact=False, variant="plain"):
@@ -219,7 +219,7 @@ def all_gather_into_tensor(comm, dtype, count, op=None, exact=False, variant="pl
             inp = data[comm.rank].clone()
         return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op), [out]
 
-    return [Spec({}, call, [torch.cat(data)], same_on_all_ranks=True)]
+    return [Spec({}, call, [torch.cat(data)], shared=1)]
 
 
 def all_gather_coalesced(comm, dtype, count, op=None, exact=False, variant="plain"):
@@ -233,7 +233,7 @@ def all_gather_coalesced(comm, dtype, count, op=None, exact=False, variant="plai
         return work, [t for per_rank in outs for t in per_rank]
 
     expected = [data[i][r] for r in range(comm.n) for i in range(len(sizes))]
-    return [Spec({}, call, expected, same_on_all_ranks=True)]
+    return [Spec({}, call, expected, shared=len(expected))]
 
 
 def gather(comm, dtype, count, op=None, exact=False, variant="plain"):

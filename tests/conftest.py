@@ -29,6 +29,12 @@ def _cuda_available():
         return False
 
 
+def pytest_configure(config):
+    # Also declared in pyproject.toml; repeated so the suite runs from anywhere.
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: long-running")
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "algorithms/comm.h"
-#include "kernels/reduce_ops.h"
+#include "kernels/reduce_fn.h"
 
 namespace ringreduce {
 

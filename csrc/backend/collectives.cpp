@@ -21,12 +21,6 @@ void finishAverage(const c10d::ReduceOp& op, const at::Tensor& t, int size) {
   if (op.op_ == c10d::ReduceOp::AVG) t.div_(size);
 }
 
-std::vector<char*> blocksOf(const std::vector<at::Tensor>& ts) {
-  std::vector<char*> out;
-  for (const auto& t : ts) out.push_back(bytesOf(t));
-  return out;
-}
-
 std::vector<at::Tensor> stagedAll(const std::vector<at::Tensor>& ts) {
   std::vector<at::Tensor> out;
   for (const auto& t : ts) out.push_back(staged(t));
@@ -160,7 +154,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
                  [in, out](const Comm& c) {
                    at::Tensor s = staged(out);
                    size_t count = static_cast<size_t>(in.numel());
-                   auto blocks = s.view(-1).split(in.numel());
+                   auto blocks = equalBlocks(s, in.numel(), c.size);
                    blocks[c.rank].copy_(in.reshape(-1));
                    allgatherRing(c, blocksOf(blocks), std::vector<size_t>(c.size, count),
                                  in.element_size());
@@ -197,7 +191,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
   return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, flatOuts,
                  [ins, outs, total](const Comm& c) {
                    at::Tensor all = at::empty({total * c.size}, ins[0].options());
-                   auto blocks = all.split(total);
+                   auto blocks = equalBlocks(all, total, c.size);
                    blocks[c.rank].copy_(flatten(ins));
                    allgatherRing(c, blocksOf(blocks),
                                  std::vector<size_t>(c.size, static_cast<size_t>(total)),

@@ -59,10 +59,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
                    std::vector<at::Tensor> flat;
                    for (const auto& t : ins) flat.push_back(t.reshape(-1));
                    at::Tensor work = at::cat(flat);  // a copy: inputs stay unchanged
-                   auto blocks = work.split(out.numel());
-                   std::vector<char*> ptrs;
-                   for (const auto& b : blocks) ptrs.push_back(bytesOf(b));
-                   reduceScatterRing(c, ptrs,
+                   auto blocks = equalBlocks(work, out.numel(), c.size);
+                   reduceScatterRing(c, blocksOf(blocks),
                                      std::vector<size_t>(c.size, static_cast<size_t>(out.numel())),
                                      out.element_size(), fn);
                    if (reduceOp.op_ == c10d::ReduceOp::AVG) blocks[c.rank].div_(c.size);
@@ -84,10 +82,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
   return enqueue(std::move(op), opts.timeout, c10d::OpType::_REDUCE_SCATTER_BASE, {output},
                  [in, out, fn, reduceOp](const Comm& c) {
                    at::Tensor work = in.reshape(-1).clone();  // inputs stay unchanged
-                   auto blocks = work.split(out.numel());
-                   std::vector<char*> ptrs;
-                   for (const auto& b : blocks) ptrs.push_back(bytesOf(b));
-                   reduceScatterRing(c, ptrs,
+                   auto blocks = equalBlocks(work, out.numel(), c.size);
+                   reduceScatterRing(c, blocksOf(blocks),
                                      std::vector<size_t>(c.size, static_cast<size_t>(out.numel())),
                                      out.element_size(), fn);
                    if (reduceOp.op_ == c10d::ReduceOp::AVG) blocks[c.rank].div_(c.size);

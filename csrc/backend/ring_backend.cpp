@@ -112,7 +112,10 @@ void RingBackend::workerLoop() {
     try {
       e.run(comm);
       e.work->complete();
-    } catch (...) {
+    } catch (const std::exception& err) {
+      // A rank that fails mid-op has left the protocol: abort, so its peers
+      // fail now instead of at the timeout.
+      transport_->abort(e.op.ctx.message(err.what()));
       e.work->fail(std::current_exception());
     }
     std::lock_guard<std::mutex> lock(mu_);

@@ -53,6 +53,19 @@ ReduceFn checkReduce(const OpContext& ctx, c10::ScalarType dtype, const c10d::Re
   return fn;
 }
 
+std::vector<at::Tensor> equalBlocks(const at::Tensor& t, int64_t count, int n) {
+  std::vector<at::Tensor> blocks;
+  at::Tensor flat = t.view(-1);
+  for (int i = 0; i < n; ++i) blocks.push_back(flat.narrow(0, i * count, count));
+  return blocks;
+}
+
+std::vector<char*> blocksOf(const std::vector<at::Tensor>& ts) {
+  std::vector<char*> out;
+  for (const auto& t : ts) out.push_back(bytesOf(t));
+  return out;
+}
+
 at::Tensor staged(const at::Tensor& t) {
   return t.is_contiguous() ? t : t.contiguous();
 }

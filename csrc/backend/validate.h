@@ -38,5 +38,9 @@ inline char* bytesOf(const at::Tensor& t) {
 inline size_t nbytes(const at::Tensor& t) {
   return static_cast<size_t>(t.numel()) * t.element_size();
 }
+// The n equal blocks of `count` elements each that make up contiguous `t`
+// (count may be 0, where Tensor::split would not give n blocks).
+std::vector<at::Tensor> equalBlocks(const at::Tensor& t, int64_t count, int n);
+std::vector<char*> blocksOf(const std::vector<at::Tensor>& ts);
 
 }  // namespace ringreduce

@@ -1,5 +1,7 @@
 #include "common/errors.h"
 
+#include <ATen/ATen.h>
+
 #include <sstream>
 
 namespace ringreduce {

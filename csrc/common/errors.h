@@ -2,13 +2,17 @@
 // where there is one, and the tensor (describe()).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <exception>
 #include <string>
 #include <vector>
+
+namespace at {
+class Tensor;
+}
 
 namespace ringreduce {
 

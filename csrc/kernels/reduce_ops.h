@@ -7,13 +7,12 @@
 #include <cstddef>
 #include <string>
 
+#include "kernels/reduce_fn.h"
+
 namespace ringreduce {
 
-// Contract: dst[i] = op(dst[i], src[i]) for i in [0, count). dst and src are
-// element-aligned arrays of the same dtype and do not overlap. Floating 16-bit
-// types are combined in float32 and rounded once per element. Integer SUM and
-// PRODUCT wrap around. bool: SUM/MAX/BOR = or, PRODUCT/MIN/BAND = and, BXOR = xor.
-using ReduceFn = void (*)(void* dst, const void* src, size_t count);
+// Contract of every kernel: see ReduceFn. Floating 16-bit types are combined
+// in float32 and rounded once per element. Integer SUM and PRODUCT wrap around. bool: SUM/MAX/BOR = or, PRODUCT/MIN/BAND = and, BXOR = xor.
 
 // The kernel for (dtype, op), or nullptr with *why set when the pair makes no
 // sense (bitwise ops on floats, MIN/MAX on complex, PREMUL_SUM, ...). AVG maps

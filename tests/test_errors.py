@@ -1,0 +1,475 @@
+"""Every error path of the ringreduce backend, matched by message.
+
+- bad arguments raise ValueError on the calling rank before any communication,
+  and leave the group usable;
+- mismatched collectives raise DistBackendError quickly and leave the group
+  unusable (so each runs in a fresh world);
+- timeouts (group timeout, Work.wait(timeout)), a SIGKILLed rank, stranger
+  TCP connections, and fd/thread leaks over many group lifetimes.
+
+Rank functions run in spawned workers (tests/_harness.py); they catch the
+errors themselves and return plain dicts, and the asserts run here.
+"""
+import gc
+import os
+import re
+import signal
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+R = dist.ReduceOp
+CPU = torch.device("cpu")
+RUN_TIMEOUT_S = 90  # hard limit per remote call: a hang fails the test
+
+
+def _backend(group=None):
+    return (group or dist.group.WORLD)._get_backend(CPU)
+
+
+def _error_info(err, started=None):
+    info = {
+        "type": type(err).__name__,
+        "is_value_error": isinstance(err, ValueError),
+        "is_dist_backend_error": isinstance(err, dist.DistBackendError),
+        "msg": str(err),
+    }
+    if started is not None:
+        info["elapsed_s"] = time.monotonic() - started
+    return info
+
+
+def _check_sum(ctx, count=3):
+    """A correct all_reduce; the sum it got (or the error it raised)."""
+    t = torch.full((count,), float(ctx.rank + 1))
+    try:
+        dist.all_reduce(t)
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        return _error_info(err)
+    return t.tolist()
+
+
+def _expected_sum(world_size, count=3):
+    return [float(world_size * (world_size + 1) // 2)] * count
+
+
+# --------------------------------------------------------------------------
+# Bad arguments: ValueError on the calling rank, no communication
+# --------------------------------------------------------------------------
+
+def _sparse(n):
+    return torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (n,))
+
+
+# name -> (call(rank, world_size) -> Work or None, op name in the message,
+#          expected text, p2p); every rank makes the same call.
+BAD_CALLS = {
+    "sparse": (lambda r, n: dist.all_reduce(_sparse(4), async_op=True),
+               "allreduce", "must be dense", False),
+    "bitwise_on_float": (lambda r, n: dist.all_reduce(torch.ones(4), op=R.BAND, async_op=True),
+                         "allreduce", "reduce op BAND is not supported for dtype float32", False),
+    "avg_on_int": (lambda r, n: dist.all_reduce(torch.ones(4, dtype=torch.int64), op=R.AVG,
+                                                async_op=True),
+                   "allreduce", "AVG needs a floating or complex dtype", False),
+    "premul_sum": (lambda r, n: dist.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0),
+                                                async_op=True),
+                   "allreduce", "PREMUL_SUM", False),
+    "broadcast_root": (lambda r, n: dist.broadcast(torch.ones(4), src=5, async_op=True),
+                       "broadcast", "invalid root rank 5: must be in [0, 2)", False),
+    "reduce_root": (lambda r, n: dist.reduce(torch.ones(4), dst=5, async_op=True),
+                    "reduce", "invalid root rank 5: must be in [0, 2)", False),
+    "gather_root": (lambda r, n: dist.gather(torch.ones(4), None, dst=5, async_op=True),
+                    "gather", "invalid root rank 5: must be in [0, 2)", False),
+    "scatter_root": (lambda r, n: dist.scatter(torch.empty(4), None, src=5, async_op=True),
+                     "scatter", "invalid root rank 5: must be in [0, 2)", False),
+    "all_gather_list_length": (
+        lambda r, n: dist.all_gather([torch.empty(5)], torch.ones(5), async_op=True),
+        "allgather", "output list has 1 tensors, expected 2", False),
+    "all_gather_output_size": (
+        lambda r, n: dist.all_gather([torch.empty(6), torch.empty(5)], torch.ones(5),
+                                     async_op=True),
+        "allgather", "output tensor 0 has 6 elements, expected 5", False),
+    # dist.all_gather rejects mixed dtypes in Python before the backend sees
+    # them, so this one calls the backend object directly.
+    "all_gather_mixed_dtypes": (
+        lambda r, n: _backend().allgather([[torch.empty(5, dtype=torch.float64),
+                                            torch.empty(5)]], [torch.ones(5)]),
+        "allgather", "output tensor 0 has dtype float64, expected float32", False),
+    "all_gather_into_tensor_size": (
+        lambda r, n: dist.all_gather_into_tensor(torch.empty(9), torch.ones(5), async_op=True),
+        "allgather_into_tensor", "has 9 elements, expected 10", False),
+    # dist.send checks for self in Python; isend passes it to the backend.
+    "send_to_self": (lambda r, n: dist.isend(torch.ones(4), dst=r),
+                     "send", "cannot send to itself", True),
+    "send_out_of_range": (lambda r, n: dist.isend(torch.ones(4), dst=5),
+                          "send", "invalid destination rank 5: must be in [0, 2)", True),
+    "all_to_all_single_splits": (
+        lambda r, n: dist.all_to_all_single(torch.empty(4), torch.ones(4),
+                                            output_split_sizes=[2, 2],
+                                            input_split_sizes=[1, 2], async_op=True),
+        "alltoall_base", "splits sum to 3", False),
+}
+
+
+def _bad_call(ctx, case):
+    call = BAD_CALLS[case][0]
+    seq_before = _backend()._get_sequence_number_for_group()
+    raised_in, err = None, None
+    try:
+        work = call(ctx.rank, ctx.world_size)
+        raised_in = "wait"
+        if work is not None:
+            work.wait()
+        raised_in = None
+    except Exception as caught:  # noqa: BLE001 - reported to the parent
+        err = caught
+        raised_in = raised_in or "call"
+    return {
+        "error": _error_info(err) if err is not None else None,
+        "raised_in": raised_in,
+        "seq_before": seq_before,
+        "seq_after": _backend()._get_sequence_number_for_group(),
+        "after": _check_sum(ctx),
+    }
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_arguments_raise_value_error_and_keep_the_group(worlds, case):
+    _, op, expected, p2p = BAD_CALLS[case]
+    n = 2
+    results = worlds.run(n, _bad_call, case, timeout=RUN_TIMEOUT_S)
+    for rank, res in enumerate(results):
+        err = res["error"]
+        assert err is not None, f"rank {rank}: {case} did not raise"
+        assert res["raised_in"] == "call", (
+            f"rank {rank}: {case} raised from Work.wait(), not at the call: {err['msg']}")
+        assert err["is_value_error"], f"rank {rank}: {err['type']}: {err['msg']}"
+        seq = r"\d+" if p2p else str(res["seq_before"] + 1)
+        prefix = rf"\[ringreduce rank {rank}/{n}\] {op}#{seq}: "
+        assert re.match(prefix, err["msg"]), (
+            f"rank {rank}: message does not start with {prefix!r}: {err['msg']!r}")
+        assert expected in err["msg"], f"rank {rank}: {expected!r} not in {err['msg']!r}"
+        assert res["seq_after"] == res["seq_before"], "a rejected call used a sequence number"
+        assert res["after"] == _expected_sum(n), (
+            f"rank {rank}: the group is not usable after {case}: {res['after']}")
+
+
+# --------------------------------------------------------------------------
+# Mismatched collectives: DistBackendError within seconds, group unusable
+# --------------------------------------------------------------------------
+
+MISMATCH_TIMEOUT_S = 30  # group timeout: the errors must come long before it
+MISMATCH_DETECT_S = 10
+
+
+def _mismatched_call(ctx, kind):
+    rank0 = ctx.rank == 0
+    if kind == "count":
+        dist.all_reduce(torch.ones(8 if rank0 else 16))
+    elif kind == "dtype":
+        dist.all_reduce(torch.ones(8, dtype=torch.float32 if rank0 else torch.int32))
+    elif kind == "op":
+        dist.all_reduce(torch.ones(8), op=R.SUM if rank0 else R.MAX)
+    elif kind == "collective":
+        if rank0:
+            dist.all_reduce(torch.ones(8))
+        else:
+            dist.broadcast(torch.ones(8), src=1)
+    else:
+        raise AssertionError(kind)
+
+
+def _mismatch(ctx, kind):
+    started = time.monotonic()
+    try:
+        _mismatched_call(ctx, kind)
+        first = None
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        first = _error_info(err, started)
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        after = None
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        after = _error_info(err, started)
+    return {"first": first, "after": after}
+
+
+def _assert_backend_error(info, rank, what):
+    assert info is not None, f"rank {rank}: {what} did not raise"
+    assert info["is_dist_backend_error"], f"rank {rank}: {what}: {info['type']}: {info['msg']}"
+    assert info["elapsed_s"] < MISMATCH_DETECT_S, (
+        f"rank {rank}: {what} took {info['elapsed_s']:.1f} s to fail: {info['msg']}")
+
+
+def _assert_unusable(res, rank):
+    after = res["after"]
+    _assert_backend_error(after, rank, "the op after the error")
+    msg = after["msg"].lower()
+    assert "no longer usable" in msg, f"rank {rank}: {after['msg']!r}"
+
+
+@pytest.mark.parametrize("kind,patterns", [
+    ("count", [r"element count mismatch: got 16, expected 8",
+               r"element count mismatch: got 8, expected 16"]),
+    ("dtype", [r"dtype mismatch: got int32, expected float32",
+               r"dtype mismatch: got float32, expected int32"]),
+    ("op", [r"reduce op mismatch: got MAX, expected SUM",
+            r"reduce op mismatch: got SUM, expected MAX"]),
+])
+def test_mismatched_all_reduce(fresh_world, kind, patterns):
+    world = fresh_world(2, pg_timeout_s=MISMATCH_TIMEOUT_S)
+    results = world.run(_mismatch, kind, timeout=RUN_TIMEOUT_S)
+    for rank, res in enumerate(results):
+        first = res["first"]
+        _assert_backend_error(first, rank, f"{kind} mismatch")
+        assert re.match(rf"\[ringreduce rank {rank}/2\] allreduce#\d+: ", first["msg"]), first
+        # Each rank names what it got from its peer; a rank that saw its peer
+        # abort first quotes the peer's error instead.
+        assert any(re.search(p, first["msg"]) for p in patterns), (
+            f"rank {rank}: {first['msg']!r} matches none of {patterns}")
+        assert "no longer usable" in first["msg"].lower(), first["msg"]
+        _assert_unusable(res, rank)
+    # Rank 0 receives rank 1's header and names the difference in its own words.
+    assert re.search(patterns[0], results[0]["first"]["msg"]), results[0]["first"]["msg"]
+
+
+def test_mismatched_collective(fresh_world):
+    world = fresh_world(2, pg_timeout_s=MISMATCH_TIMEOUT_S)
+    results = world.run(_mismatch, "collective", timeout=RUN_TIMEOUT_S)
+    first = results[0]["first"]
+    _assert_backend_error(first, 0, "all_reduce against a broadcast")
+    match = re.search(r"collective mismatch: the peer is running broadcast#(\d+), "
+                      r"this rank allreduce#(\d+)", first["msg"])
+    assert match, first["msg"]
+    assert match.group(1) == match.group(2), first["msg"]
+    # Rank 1 is the broadcast's root: its sends may complete before rank 0
+    # aborts, so it may only fail on its next op.
+    if results[1]["first"] is not None:
+        _assert_backend_error(results[1]["first"], 1, "broadcast against an all_reduce")
+    for rank, res in enumerate(results):
+        _assert_unusable(res, rank)
+
+
+# --------------------------------------------------------------------------
+# Timeouts
+# --------------------------------------------------------------------------
+
+GROUP_TIMEOUT_S = 3
+
+
+def _one_rank_stalls(ctx, op):
+    sync = ctx.new_store("sync")
+    if ctx.rank == 1:  # never joins; waits for rank 0 to give up
+        sync.wait(["done"], timedelta(seconds=30))
+        return None
+    started = time.monotonic()
+    try:
+        if op == "all_reduce":
+            dist.all_reduce(torch.ones(1000))
+        else:
+            dist.barrier()
+        info = None
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        info = _error_info(err, started)
+    sync.set("done", "1")
+    return info
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "barrier"])
+def test_group_timeout_names_the_peer_and_progress(fresh_world, op):
+    world = fresh_world(2, pg_timeout_s=GROUP_TIMEOUT_S)
+    info, _ = world.run(_one_rank_stalls, op, timeout=RUN_TIMEOUT_S)
+    assert info is not None, f"{op} with a silent peer did not time out"
+    assert info["is_dist_backend_error"], f"{info['type']}: {info['msg']}"
+    msg = info["msg"]
+    assert "timed out" in msg, msg
+    assert "with rank 1" in msg, msg
+    assert re.search(r"got \d+ of \d+ bytes", msg), msg
+    assert "no longer usable" in msg.lower(), msg
+    assert GROUP_TIMEOUT_S - 0.5 <= info["elapsed_s"] < 2 * GROUP_TIMEOUT_S, (
+        f"timed out after {info['elapsed_s']:.1f} s with a {GROUP_TIMEOUT_S} s timeout")
+
+
+def _wait_timeout(ctx):
+    sync = ctx.new_store("sync")
+    t = torch.full((1000,), float(ctx.rank + 1))
+    if ctx.rank == 1:  # joins only after rank 0's wait() has timed out
+        sync.wait(["go"], timedelta(seconds=30))
+        dist.all_reduce(t)
+        return {"sum": t[0].item()}
+    work = dist.all_reduce(t, async_op=True)
+    started = time.monotonic()
+    try:
+        work.wait(timeout=timedelta(seconds=1))
+        info = None
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        info = _error_info(err, started)
+    sync.set("go", "1")
+    try:
+        work.wait()  # the op kept running and now completes
+        late = None
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        late = _error_info(err)
+    return {"wait_error": info, "late_error": late, "sum": t[0].item()}
+
+
+def test_work_wait_timeout_leaves_the_op_running(fresh_world):
+    world = fresh_world(2, pg_timeout_s=30)
+    res0, res1 = world.run(_wait_timeout, timeout=RUN_TIMEOUT_S)
+    info = res0["wait_error"]
+    assert info is not None, "wait(timeout=1 s) returned although the peer never joined"
+    assert info["is_dist_backend_error"] or info["type"] == "RuntimeError", info
+    assert "wait() timed out" in info["msg"], info["msg"]
+    assert re.match(r"\[ringreduce rank 0/2\] allreduce#\d+: ", info["msg"]), info["msg"]
+    assert 0.9 <= info["elapsed_s"] < 5, info
+    assert res0["late_error"] is None, f"the op failed after wait() timed out: {res0}"
+    assert res0["sum"] == res1["sum"] == 3.0
+
+
+# --------------------------------------------------------------------------
+# A rank is SIGKILLed mid-collective
+# --------------------------------------------------------------------------
+
+KILL_WORLD = 3
+KILL_VICTIM = 1
+KILL_GROUP_TIMEOUT_S = 60
+KILL_DETECT_S = 15
+
+
+def _kill_one_rank(ctx, victim, iterations_before):
+    sync = ctx.new_store("kill")
+    t = torch.ones(1 << 20)
+    for i in range(1000):
+        if ctx.rank == victim and i == iterations_before:
+            sync.set("killed_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        t.fill_(1.0)
+        try:
+            dist.all_reduce(t)
+        except Exception as err:  # noqa: BLE001 - reported to the parent
+            failed_at = time.time()
+            info = _error_info(err)
+            killed_at = float(sync.get("killed_at").decode())
+            info.update(iteration=i, detect_s=failed_at - killed_at)
+            return info
+    return None
+
+
+def test_killed_rank_is_named_by_the_survivors_quickly(fresh_world):
+    world = fresh_world(KILL_WORLD, pg_timeout_s=KILL_GROUP_TIMEOUT_S)
+    outcomes = world.run(_kill_one_rank, KILL_VICTIM, 2, timeout=RUN_TIMEOUT_S,
+                         raise_on_error=False)
+    victim = outcomes[KILL_VICTIM]
+    assert not victim.ok and victim.exitcode == -signal.SIGKILL, victim
+    detections = {}
+    for o in outcomes:
+        if o.rank == KILL_VICTIM:
+            continue
+        assert o.ok, f"rank {o.rank} failed in the harness: {o.text or o.exitcode}"
+        info = o.value
+        assert info is not None, f"rank {o.rank} finished 1000 all_reduces without rank 1"
+        assert info["is_dist_backend_error"], f"rank {o.rank}: {info['type']}: {info['msg']}"
+        msg = info["msg"]
+        assert f"rank {KILL_VICTIM}" in msg, f"rank {o.rank} does not name the lost peer: {msg!r}"
+        assert re.search(rf"with rank {KILL_VICTIM} \(", msg), msg
+        assert "no longer usable" in msg.lower(), msg
+        assert info["detect_s"] < KILL_DETECT_S, (
+            f"rank {o.rank} took {info['detect_s']:.1f} s to notice: {msg}")
+        detections[o.rank] = round(info["detect_s"], 3)
+    print(f"kill detection (s after SIGKILL) by rank: {detections}")
+
+
+# --------------------------------------------------------------------------
+# Strangers connecting to a rank's listening port
+# --------------------------------------------------------------------------
+
+GARBAGE = bytes(range(0xC0, 0x100)) * 2  # 128 bytes, no valid magic
+
+
+def _strangers(ctx, garbage_len):
+    backend = _backend()
+    addrs = [None] * ctx.world_size
+    dist.all_gather_object(addrs, backend.listen_address(), group=ctx.oracle)
+    if ctx.rank == 1:
+        host, port = addrs[0].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(GARBAGE[:garbage_len])
+            time.sleep(0.2)
+        with socket.create_connection((host, int(port)), timeout=5):
+            time.sleep(0.5)  # says nothing, then leaves
+    dist.barrier(group=ctx.oracle)
+    refused = []
+    deadline = time.monotonic() + 10
+    while ctx.rank == 0 and len(refused) < 2 and time.monotonic() < deadline:
+        refused = backend.refused_connections()
+        time.sleep(0.05)
+    return {"addrs": addrs, "refused": list(refused), "after": _check_sum(ctx)}
+
+
+@pytest.mark.parametrize("garbage_len", [64, 128])
+def test_stranger_connections_are_refused_and_logged(fresh_world, capfd, garbage_len):
+    world = fresh_world(2, pg_timeout_s=30)
+    results = world.run(_strangers, garbage_len, timeout=RUN_TIMEOUT_S)
+    for rank, res in enumerate(results):
+        assert res["after"] == _expected_sum(2), f"rank {rank}: all_reduce after: {res['after']}"
+    addr = results[0]["addrs"][0]
+    assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+:\d+", addr), addr
+    refused = results[0]["refused"]
+    assert len(refused) >= 2, f"rank 0 refused {refused}, expected both strangers"
+    assert all("refused connection from" in line for line in refused), refused
+    assert refused[0].startswith("[ringreduce rank 0/2] refused connection from "), refused
+    assert "not a ringreduce peer" in refused[0], (
+        f"the {garbage_len}-byte garbage hello was refused for another reason: {refused[0]!r}")
+    err = capfd.readouterr().err
+    assert refused[0] in err, f"the refusal was not printed to stderr:\n{err[-2000:]}"
+
+
+# --------------------------------------------------------------------------
+# Leaks over many group lifetimes in one process
+# --------------------------------------------------------------------------
+
+LEAK_CYCLES = 50
+LEAK_WARMUP = 5
+LEAK_SLACK = 3
+
+
+def _resources():
+    gc.collect()
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def _group_cycles(ctx, cycles, same_store):
+    """init + all_reduce + destroy, `cycles` times; (fds, threads) after some."""
+    seen = {}
+    shared = ctx.new_store("leak") if same_store else None
+    for i in range(1, cycles + 1):
+        store = shared or ctx.new_store(f"leak{i}")
+        dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                                world_size=ctx.world_size, timeout=ctx.pg_timeout)
+        t = torch.ones(16)
+        dist.all_reduce(t)
+        assert t[0].item() == ctx.world_size, f"cycle {i}: sum {t[0].item()}"
+        dist.destroy_process_group()
+        del store
+        if i in (LEAK_WARMUP, cycles):
+            seen[i] = _resources()
+    return seen
+
+
+@pytest.mark.parametrize("world_size,same_store", [(1, True), (2, False), (2, True)])
+def test_no_fd_or_thread_leaks_over_group_lifetimes(fresh_world, world_size, same_store):
+    world = fresh_world(world_size, init=False, pg_timeout_s=30)
+    results = world.run(_group_cycles, LEAK_CYCLES, same_store, timeout=RUN_TIMEOUT_S)
+    for rank, seen in enumerate(results):
+        (fds0, threads0), (fds1, threads1) = seen[LEAK_WARMUP], seen[LEAK_CYCLES]
+        assert fds1 - fds0 <= LEAK_SLACK, (
+            f"rank {rank}: open fds grew from {fds0} to {fds1} over "
+            f"{LEAK_CYCLES - LEAK_WARMUP} groups")
+        assert threads1 - threads0 <= LEAK_SLACK, (
+            f"rank {rank}: threads grew from {threads0} to {threads1} over "
+            f"{LEAK_CYCLES - LEAK_WARMUP} groups")
