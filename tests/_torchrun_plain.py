@@ -39,7 +39,9 @@ def main():
           .unsqueeze(1).expand(n, 3))
 
     dist.barrier()
-    print(f"{MARKER} rank={rank} world={n} requested={backend} backend={impl}", flush=True)
+    # One write per line: the ranks share torchrun's stdout.
+    sys.stdout.write(f"{MARKER} rank={rank} world={n} requested={backend} backend={impl}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _harness import World
+
 R = dist.ReduceOp
 CPU = torch.device("cpu")
 RUN_TIMEOUT_S = 90  # hard limit per remote call: a hang fails the test
@@ -388,45 +390,97 @@ def test_killed_rank_is_named_by_the_survivors_quickly(fresh_world):
 # Strangers connecting to a rank's listening port
 # --------------------------------------------------------------------------
 
-GARBAGE = bytes(range(0xC0, 0x100)) * 2  # 128 bytes, no valid magic
+GARBAGE = bytes(range(0xC0, 0x100)) * 4  # no valid magic anywhere
+STRANGERS = {  # name -> bytes sent before closing (None: silent for a while)
+    "garbage64": GARBAGE[:64],
+    "garbage128": GARBAGE[:128],
+    "silent": None,
+}
 
 
-def _strangers(ctx, garbage_len):
+def _visit_as_stranger(addr):
+    """Connects to `addr` once per STRANGERS entry; {name: local port}."""
+    host, port = addr.rsplit(":", 1)
+    ports = {}
+    for name, payload in STRANGERS.items():
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            ports[name] = s.getsockname()[1]
+            if payload is not None:
+                s.sendall(payload)
+            time.sleep(0.2 if payload is not None else 0.5)
+    return ports
+
+
+def _strangers(ctx):
+    """Rank 1 plays strangers at rank 0's port; rank 0 records its stderr."""
     backend = _backend()
     addrs = [None] * ctx.world_size
     dist.all_gather_object(addrs, backend.listen_address(), group=ctx.oracle)
-    if ctx.rank == 1:
-        host, port = addrs[0].rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(GARBAGE[:garbage_len])
-            time.sleep(0.2)
-        with socket.create_connection((host, int(port)), timeout=5):
-            time.sleep(0.5)  # says nothing, then leaves
+    log_path = os.path.join(ctx.store_dir, "rank0-stderr")
+    if ctx.rank == 0:
+        saved_stderr = os.dup(2)
+        with open(log_path, "wb") as log:
+            os.dup2(log.fileno(), 2)
     dist.barrier(group=ctx.oracle)
-    refused = []
-    deadline = time.monotonic() + 10
-    while ctx.rank == 0 and len(refused) < 2 and time.monotonic() < deadline:
+    ports = _visit_as_stranger(addrs[0]) if ctx.rank == 1 else None
+    dist.barrier(group=ctx.oracle)
+    result = {"addrs": addrs, "ports": ports, "after": _check_sum(ctx)}
+    if ctx.rank == 0:
+        deadline = time.monotonic() + 10
         refused = backend.refused_connections()
-        time.sleep(0.05)
-    return {"addrs": addrs, "refused": list(refused), "after": _check_sum(ctx)}
+        while len(refused) < len(STRANGERS) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            refused = backend.refused_connections()
+        os.dup2(saved_stderr, 2)
+        os.close(saved_stderr)
+        with open(log_path, encoding="utf-8", errors="replace") as log:
+            result.update(refused=list(refused), stderr=log.read())
+    return result
 
 
-@pytest.mark.parametrize("garbage_len", [64, 128])
-def test_stranger_connections_are_refused_and_logged(fresh_world, capfd, garbage_len):
-    world = fresh_world(2, pg_timeout_s=30)
-    results = world.run(_strangers, garbage_len, timeout=RUN_TIMEOUT_S)
-    for rank, res in enumerate(results):
-        assert res["after"] == _expected_sum(2), f"rank {rank}: all_reduce after: {res['after']}"
-    addr = results[0]["addrs"][0]
+@pytest.fixture(scope="module")
+def strangers(backend, tmp_path_factory):
+    """Rank 0's view of the strangers rank 1 sent, and both ranks' all_reduce after."""
+    with World(2, tmp_path_factory.mktemp("strangers"), backend=backend,
+               pg_timeout_s=30) as world:
+        rank0, rank1 = world.run(_strangers, timeout=RUN_TIMEOUT_S)
+    by_name = {}
+    for name, port in rank1["ports"].items():
+        lines = [line for line in rank0["refused"] if re.search(rf":{port}: ", line)]
+        by_name[name] = lines[0] if lines else None
+    return {"rank0": rank0, "rank1": rank1, "by_name": by_name}
+
+
+def test_group_works_after_stranger_connections(strangers):
+    addr = strangers["rank0"]["addrs"][0]
     assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+:\d+", addr), addr
-    refused = results[0]["refused"]
-    assert len(refused) >= 2, f"rank 0 refused {refused}, expected both strangers"
-    assert all("refused connection from" in line for line in refused), refused
-    assert refused[0].startswith("[ringreduce rank 0/2] refused connection from "), refused
-    assert "not a ringreduce peer" in refused[0], (
-        f"the {garbage_len}-byte garbage hello was refused for another reason: {refused[0]!r}")
-    err = capfd.readouterr().err
-    assert refused[0] in err, f"the refusal was not printed to stderr:\n{err[-2000:]}"
+    for rank in (0, 1):
+        after = strangers[f"rank{rank}"]["after"]
+        assert after == _expected_sum(2), f"rank {rank}: all_reduce after strangers: {after}"
+
+
+@pytest.mark.parametrize("name", list(STRANGERS))
+def test_stranger_connection_is_refused(strangers, name):
+    line = strangers["by_name"][name]
+    assert line is not None, (
+        f"no refusal names the {name} stranger's port {strangers['rank1']['ports'][name]}: "
+        f"{strangers['rank0']['refused']}")
+    assert line.startswith("[ringreduce rank 0/2] refused connection from 127.0.0.1:"), line
+
+
+@pytest.mark.parametrize("name", ["garbage64", "garbage128"])
+def test_garbage_hello_is_refused_as_not_a_peer(strangers, name):
+    line = strangers["by_name"][name]
+    assert line is not None, strangers["rank0"]["refused"]
+    assert "not a ringreduce peer" in line, (
+        f"{len(STRANGERS[name])} bytes of garbage were refused for another reason: {line!r}")
+
+
+def test_refusals_are_printed_to_stderr(strangers):
+    stderr = strangers["rank0"]["stderr"]
+    for name, line in strangers["by_name"].items():
+        if line is not None:
+            assert line in stderr, f"the {name} refusal is not on stderr:\n{stderr[-2000:]}"
 
 
 # --------------------------------------------------------------------------
@@ -461,9 +515,25 @@ def _group_cycles(ctx, cycles, same_store):
     return seen
 
 
+@pytest.fixture(scope="module")
+def bare_worlds(backend, tmp_path_factory):
+    """Worlds whose ranks join no group, by size; a broken one is rebuilt."""
+    made = {}
+
+    def get(world_size):
+        if world_size not in made or made[world_size].broken:
+            made[world_size] = World(world_size, tmp_path_factory.mktemp("bare"),
+                                     backend=backend, init=False, pg_timeout_s=30)
+        return made[world_size]
+
+    yield get
+    for world in made.values():
+        world.close(timeout=10.0)
+
+
 @pytest.mark.parametrize("world_size,same_store", [(1, True), (2, False), (2, True)])
-def test_no_fd_or_thread_leaks_over_group_lifetimes(fresh_world, world_size, same_store):
-    world = fresh_world(world_size, init=False, pg_timeout_s=30)
+def test_no_fd_or_thread_leaks_over_group_lifetimes(bare_worlds, world_size, same_store):
+    world = bare_worlds(world_size)
     results = world.run(_group_cycles, LEAK_CYCLES, same_store, timeout=RUN_TIMEOUT_S)
     for rank, seen in enumerate(results):
         (fds0, threads0), (fds1, threads1) = seen[LEAK_WARMUP], seen[LEAK_CYCLES]

@@ -1,6 +1,7 @@
 """An unmodified script under torchrun finds the backend by its name alone."""
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 
@@ -35,8 +36,8 @@ def test_plain_script_under_torchrun(backend, form, tmp_path):
     proc = _torchrun(requested, tmp_path)
     output = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
     assert proc.returncode == 0, f"torchrun exited with {proc.returncode}\n{output}"
-    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith(MARKER)]
-    assert sorted(fields[1] for fields in lines) == [f"rank={r}" for r in range(NPROC)], output
-    for fields in lines:
-        assert fields[2:] == [f"world={NPROC}", f"requested={requested}",
-                              f"backend={backend}"], output
+    found = re.findall(MARKER + r" rank=(\d+) (world=\S+ requested=\S+ backend=[\w:]+)",
+                       proc.stdout)
+    assert sorted(int(rank) for rank, _ in found) == list(range(NPROC)), output
+    want = f"world={NPROC} requested={requested} backend={backend}"
+    assert all(rest == want for _, rest in found), output

@@ -10,7 +10,9 @@
 namespace ringreduce {
 namespace {
 
-constexpr int64_t kDefaultSegmentBytes = 1 << 20;
+// 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
+// than 1-16 MiB on 2-4 ranks, see README).
+constexpr int64_t kDefaultSegmentBytes = 256 << 10;
 
 }  // namespace
 
@@ -107,6 +109,7 @@ void RingBackend::workerLoop() {
       queue_.pop_front();
       running_ = true;
     }
+    e.op.timeout = e.timeout;
     e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
     Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_};
     try {
@@ -156,6 +159,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
                          std::to_string(tag)};
   op.kind = OpKind::kSend;
   op.dtype = static_cast<uint8_t>(t.scalar_type());
+  op.timeout = timeout_;
   op.deadline = std::chrono::steady_clock::now() + timeout_;
   auto work = c10::make_intrusive<RingWork>(op.ctx, c10d::OpType::SEND, tensors);
   at::Tensor s = staged(t);  // kept alive by the callback until sent
@@ -190,6 +194,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
                      describe(t) + " from " + from + " tag " + std::to_string(tag)};
   op.kind = OpKind::kSend;
   op.dtype = static_cast<uint8_t>(t.scalar_type());
+  op.timeout = timeout_;
   op.deadline = std::chrono::steady_clock::now() + timeout_;
   auto type = srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV;
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, tensors);

@@ -2,6 +2,10 @@
 
 namespace ringreduce {
 
+std::string unusable(const OpInfo& op, const std::string& cause) {
+  return op.ctx.message("the group is no longer usable") + "; first error: " + cause;
+}
+
 const char* opKindName(OpKind kind) {
   switch (kind) {
     case OpKind::kAllreduce: return "allreduce";

@@ -60,8 +60,12 @@ struct OpInfo {
   uint8_t dtype = 0;
   uint8_t reduceOp = kNoReduceOp;
   uint64_t total = kUnchecked;
+  std::chrono::milliseconds timeout{0};  // the deadline's distance from the op's start
   std::chrono::steady_clock::time_point deadline;
 };
+
+// "<op prefix>: the group is no longer usable (<tensor>); first error: <cause>"
+std::string unusable(const OpInfo& op, const std::string& cause);
 
 struct SendSpec {
   int peer;

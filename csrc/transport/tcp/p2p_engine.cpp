@@ -80,7 +80,7 @@ void P2PEngine::postSend(const OpInfo& op, int peer, uint64_t tag, const void* d
     }
   }
   if (!failed.empty()) {
-    done(peer, transportError(op.ctx.message("the group is no longer usable: " + failed)));
+    done(peer, transportError(unusable(op, failed)));
     return;
   }
   wake();
@@ -97,7 +97,7 @@ void P2PEngine::postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, s
     }
   }
   if (!failed.empty()) {
-    done(peer, transportError(op.ctx.message("the group is no longer usable: " + failed)));
+    done(peer, transportError(unusable(op, failed)));
     return;
   }
   wake();
@@ -117,15 +117,13 @@ void P2PEngine::failAll(const std::string& reason, std::vector<Completion>& done
   if (failed_.empty()) failed_ = reason;
   for (int peer = 0; peer < size_; ++peer) {
     for (auto& s : sends_[peer]) {
-      done.push_back({std::move(s.cb), {peer, transportError(s.op.ctx.message(
-                                                  "the group is no longer usable: " + reason))}});
+      done.push_back({std::move(s.cb), {peer, transportError(unusable(s.op, reason))}});
     }
     sends_[peer].clear();
     incoming_[peer] = Incoming{};
   }
   for (auto& r : recvs_) {
-    done.push_back({std::move(r.cb), {r.peer, transportError(r.op.ctx.message(
-                                                  "the group is no longer usable: " + reason))}});
+    done.push_back({std::move(r.cb), {r.peer, transportError(unusable(r.op, reason))}});
   }
   recvs_.clear();
 }

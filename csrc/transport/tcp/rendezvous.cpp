@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/env.h"
@@ -29,6 +30,15 @@ struct Hello {
   int32_t size;
   int32_t channel;
   char secret[64];
+};
+
+// An accepted connection whose hello is still arriving.
+struct PendingHello {
+  int fd = -1;
+  sockaddr_in from{};
+  Hello hello{};
+  size_t got = 0;
+  Clock::time_point deadline;
 };
 
 namespace {
@@ -151,17 +161,91 @@ void TcpTransport::connectToLower(int peer, Clock::time_point deadline) {
   }
 }
 
+// Handshakes run concurrently in this loop (non-blocking, each with its own
+// deadline), so a silent stranger cannot hold up the real peers.
 void TcpTransport::acceptLoop() {
+  std::vector<PendingHello> pending;
+  std::vector<pollfd> pfds;
   while (!closed_) {
-    pollfd pfds[2] = {{listenFd_, POLLIN, 0}, {wakePipe_[0], POLLIN, 0}};
-    if (poll(pfds, 2, -1) < 0 && errno != EINTR) break;
+    pfds.assign({{listenFd_, POLLIN, 0}, {wakePipe_[0], POLLIN, 0}});
+    auto next = Clock::time_point::max();
+    for (const auto& p : pending) {
+      pfds.push_back({p.fd, POLLIN, 0});
+      next = std::min(next, p.deadline);
+    }
+    int ms = next == Clock::time_point::max() ? -1 : millisUntil(next) + 1;
+    if (poll(pfds.data(), pfds.size(), ms) < 0 && errno != EINTR) break;
     if (closed_ || pfds[1].revents != 0) break;
-    if ((pfds[0].revents & POLLIN) == 0) continue;
-    sockaddr_in from{};
-    socklen_t len = sizeof(from);
-    int fd = accept4(listenFd_, reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC);
-    if (fd >= 0) handleIncoming(fd, from);
+    for (size_t i = 2; i < pfds.size(); ++i) {
+      if (pfds[i].revents != 0) readHello(pending[i - 2]);
+    }
+    for (auto& p : pending) {
+      if (p.fd >= 0 && Clock::now() >= p.deadline) {
+        refuse(p, "sent no complete hello within " +
+                      std::to_string(kHandshakeTimeout.count()) + " s");
+      }
+    }
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [](const PendingHello& p) { return p.fd < 0; }),
+                  pending.end());
+    if (pfds[0].revents & POLLIN) {
+      PendingHello p;
+      socklen_t len = sizeof(p.from);
+      p.fd = accept4(listenFd_, reinterpret_cast<sockaddr*>(&p.from), &len,
+                     SOCK_CLOEXEC | SOCK_NONBLOCK);
+      p.deadline = Clock::now() + kHandshakeTimeout;
+      if (p.fd >= 0) pending.push_back(p);
+    }
   }
+  for (auto& p : pending) ::close(p.fd);
+}
+
+void TcpTransport::readHello(PendingHello& p) {
+  auto* buf = reinterpret_cast<char*>(&p.hello);
+  ssize_t r = ::recv(p.fd, buf + p.got, sizeof(Hello) - p.got, MSG_DONTWAIT);
+  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (r <= 0) {
+    refuse(p, r == 0 ? "closed after " + std::to_string(p.got) + " of " +
+                           std::to_string(sizeof(Hello)) + " hello bytes"
+                     : std::string(std::strerror(errno)));
+    return;
+  }
+  p.got += static_cast<size_t>(r);
+  // The magic alone tells a stranger from a peer: refuse without waiting.
+  if (p.got >= sizeof(p.hello.magic) && p.hello.magic != kHelloMagic) {
+    refuse(p, "not a ringreduce peer (bad hello)");
+    return;
+  }
+  if (p.got < sizeof(Hello)) return;
+  std::string err;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    err = checkHello(p.hello);
+  }
+  Hello mine{kHelloMagic, kProtocolVersion, rank_, size_, p.hello.channel, {}};
+  std::memcpy(mine.secret, secret_.data(), sizeof(mine.secret));
+  // A fresh socket's buffer takes the whole reply at once.
+  if (err.empty() && ::send(p.fd, &mine, sizeof(mine), MSG_NOSIGNAL) != sizeof(mine)) {
+    err = "could not send the reply";
+  }
+  if (!err.empty()) {
+    refuse(p, err);
+    return;
+  }
+  setNoDelay(p.fd);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fds_[p.hello.channel][p.hello.rank] = p.fd;
+    peerAddr_[p.hello.rank] = formatAddress(p.from);
+  }
+  p.fd = -1;  // handed over
+  connected_.notify_all();
+}
+
+void TcpTransport::refuse(PendingHello& p, const std::string& why) {
+  logRefusal(formatAddress(p.from), why);
+  ::close(p.fd);
+  p.fd = -1;
 }
 
 std::string TcpTransport::checkHello(const Hello& h) const {
@@ -178,33 +262,6 @@ std::string TcpTransport::checkHello(const Hello& h) const {
   if (!sameSecret(h.secret, secret_)) return "wrong group secret";
   if (fds_[h.channel][h.rank] >= 0) return "rank " + std::to_string(h.rank) + " is already connected";
   return "";
-}
-
-void TcpTransport::handleIncoming(int fd, const sockaddr_in& from) {
-  setNoDelay(fd);
-  const auto deadline = Clock::now() + kHandshakeTimeout;
-  Hello theirs{};
-  std::string err = readFully(fd, &theirs, sizeof(theirs), deadline);
-  if (err.empty()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    err = checkHello(theirs);
-  }
-  if (err.empty()) {
-    Hello mine{kHelloMagic, kProtocolVersion, rank_, size_, theirs.channel, {}};
-    std::memcpy(mine.secret, secret_.data(), sizeof(mine.secret));
-    err = writeFully(fd, &mine, sizeof(mine), deadline);
-  }
-  if (!err.empty()) {
-    logRefusal(formatAddress(from), err);
-    ::close(fd);
-    return;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    fds_[theirs.channel][theirs.rank] = fd;
-    peerAddr_[theirs.rank] = formatAddress(from);
-  }
-  connected_.notify_all();
 }
 
 void TcpTransport::logRefusal(const std::string& from, const std::string& why) const {

@@ -143,7 +143,7 @@ TcpTransport::~TcpTransport() {
 void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
                             std::vector<RecvSpec>& recvs) {
   if (aborted_) {
-    throwTransportError(op.ctx.message("the group is no longer usable: " + abortReason()));
+    throwTransportError(unusable(op, abortReason()));
   }
   std::vector<SendState> ss;
   std::vector<RecvState> rs;
@@ -176,20 +176,26 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
     int ms = millisUntil(op.deadline);
     int ready = ms == 0 ? 0 : poll(pfds.data(), pfds.size(), ms);
     if (aborted_) {
-      throwTransportError(op.ctx.message("the group is no longer usable: " + abortReason()));
+      throwTransportError(unusable(op, abortReason()));
     }
     if (ready == 0) {
       // Name the first transfer still open, with its progress.
       for (auto& r : rs) {
         if (!r.finished()) {
-          fail(op, r.spec->peer, "timed out waiting to receive: got " +
-                                     std::to_string(r.dataDone) + " of " +
-                                     std::to_string(r.spec->bytes) + " bytes");
+          std::string got = "got " + std::to_string(r.dataDone) + " of " +
+                            std::to_string(r.spec->bytes) + " bytes";
+          if (r.headerDone < sizeof(WireHeader)) {
+            got += " (its message for step " + std::to_string(r.spec->step) +
+                   " has not started)";
+          }
+          fail(op, r.spec->peer, "timed out after " + std::to_string(op.timeout.count()) +
+                                     " ms waiting to receive: " + got);
         }
       }
       for (auto& s : ss) {
         if (s.done < s.total()) {
-          fail(op, s.spec->peer, "timed out sending: sent " + std::to_string(s.done) + " of " +
+          fail(op, s.spec->peer, "timed out after " + std::to_string(op.timeout.count()) +
+                                     " ms sending: sent " + std::to_string(s.done) + " of " +
                                      std::to_string(s.total()) + " bytes (with header)");
         }
       }

@@ -22,6 +22,7 @@ namespace tcp {
 
 class P2PEngine;
 struct Hello;
+struct PendingHello;
 
 enum Channel : int32_t { kCollective = 0, kP2P = 1, kNumChannels = 2 };
 
@@ -53,7 +54,8 @@ class TcpTransport : public Transport {
   void connectMesh(std::chrono::milliseconds timeout);
   void connectToLower(int peer, Clock::time_point deadline);
   void acceptLoop();
-  void handleIncoming(int fd, const sockaddr_in& from);
+  void readHello(PendingHello& pending);
+  void refuse(PendingHello& pending, const std::string& why);
   std::string checkHello(const Hello& hello) const;
   void logRefusal(const std::string& from, const std::string& why) const;
 
