@@ -8,9 +8,13 @@ the torch you run is the torch you built against.
 import glob
 import os
 
-from setuptools import setup
-import torch
-from torch.utils.cpp_extension import (
+# Building must not depend on the entry point of an earlier install (which
+# `import torch` would run): a stale one would break the build itself.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+from setuptools import setup  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.cpp_extension import (  # noqa: E402
     CUDA_HOME,
     BuildExtension,
     CppExtension,
@@ -36,6 +40,28 @@ def sources(cuda: bool) -> list:
     return found
 
 
+def nccl_dirs():
+    """Include and library folders holding nccl.h / libnccl: $NCCL_HOME, PyPI's
+    nvidia-nccl wheel (what CUDA builds of torch ship), then CUDA_HOME."""
+    roots = [os.environ.get("NCCL_HOME")]
+    try:
+        import nvidia.nccl
+
+        roots += list(nvidia.nccl.__path__)
+    except ImportError:
+        pass
+    roots.append(CUDA_HOME)
+    for root in filter(None, roots):
+        include = os.path.join(root, "include")
+        if os.path.exists(os.path.join(include, "nccl.h")):
+            libs = [os.path.join(root, d) for d in ("lib", "lib64")]
+            return [include], [d for d in libs if os.path.isdir(d)]
+    raise RuntimeError(
+        "torch_ringreduce: CUDA build requested but nccl.h was not found; set NCCL_HOME "
+        "or install nvidia-nccl-cu13 (or build the CPU flavour with RINGREDUCE_CUDA=0)"
+    )
+
+
 def extension():
     cuda = want_cuda()
     # The language standard comes from torch (C++20 for 2.13).
@@ -49,6 +75,10 @@ def extension():
     if cuda:
         kwargs["extra_compile_args"]["cxx"].append("-DRINGREDUCE_WITH_CUDA")
         kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-DRINGREDUCE_WITH_CUDA"]
+        include_dirs, library_dirs = nccl_dirs()
+        kwargs["include_dirs"] += include_dirs
+        kwargs["library_dirs"] = library_dirs
+        kwargs["runtime_library_dirs"] = library_dirs
         kwargs["libraries"] = ["nccl"]
         return CUDAExtension(**kwargs)
     return CppExtension(**kwargs)

@@ -289,11 +289,12 @@ def write_json(world, rows, failed, elapsed, args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default 2)")
     p.add_argument("--backends", nargs="+", default=["ringreduce", "gloo"])
-    p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
+    p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS), metavar="OP",
+                   help=f"of {', '.join(OPS)} (default all)")
     p.add_argument("-b", "--minbytes", type=bu.parse_size, default=bu.parse_size("4K"))
     p.add_argument("-e", "--maxbytes", type=bu.parse_size, default=bu.parse_size("64M"))
     p.add_argument("-f", "--stepfactor", type=int, default=4)

@@ -1,22 +1,20 @@
-"""Exit 0 when torch_ringreduce is pip-installed from this checkout with its
-`torch.backends` entry point, else 1 (the Makefile then installs it)."""
+"""Exit 0 when torch_ringreduce is pip-installed from this checkout with the
+`torch.backends` entry point that pyproject.toml declares, else 1 (the
+Makefile then installs it). Imports neither torch nor the package."""
 import os
+import re
 import sys
-from importlib import metadata
+from importlib import metadata, util
 
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(here, "pyproject.toml")) as f:
+    declared = re.search(r'^ringreduce\s*=\s*"([^"]+)"', f.read(), re.M).group(1)
 try:
     dist = metadata.distribution("torch_ringreduce")
 except metadata.PackageNotFoundError:
     sys.exit(1)
-has_entry = any(e.group == "torch.backends" and e.name == "ringreduce" for e in dist.entry_points)
-sys.path.insert(0, "")  # resolve the package the way a user's script would
-os.chdir("/")
-try:
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch_ringreduce")
-    same = spec is not None and os.path.dirname(spec.origin).startswith(here)
-except Exception:  # noqa: BLE001
-    same = False
-sys.exit(0 if has_entry and same else 1)
+entry = [e.value for e in dist.entry_points if e.group == "torch.backends"]
+os.chdir("/")  # resolve modules the way a user's script elsewhere would
+module = util.find_spec(declared.split(":")[0])
+from_here = module is not None and os.path.abspath(module.origin).startswith(here)
+sys.exit(0 if entry == [declared] and from_here else 1)

@@ -56,10 +56,11 @@ class RankOutcome:
     rank: int
     ok: bool
     value: object = None
-    error: BaseException = None
+    error: object = None  # (pickled exception or None, traceback text)
     text: str = ""
     exitcode: int = None
     elapsed_s: float = None
+    observed_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 # --------------------------------------------------------------------------
@@ -289,7 +290,9 @@ class World:
                 break
             waiting = [r for r, o in enumerate(outcomes) if o is None]
             handles = [self._conns[r] for r in waiting] + [self._procs[r].sentinel for r in waiting]
-            for handle in multiprocessing.connection.wait(handles, timeout=min(left, 1.0)):
+            ready = multiprocessing.connection.wait(handles, timeout=min(left, 1.0))
+            # Deaths first: a crash is the cause of its peers' errors, not the effect.
+            for handle in sorted(ready, key=lambda h: not isinstance(h, int)):
                 self._record(handle, waiting, outcomes)
             if raise_on_error and self._first_error_at is not None:
                 deadline = min(deadline, self._first_error_at + ERROR_GRACE_S)
@@ -323,16 +326,16 @@ class World:
     def _raise_first(self, outcomes, timeout):
         __tracebackhide__ = True
         failed = [o for o in outcomes if o is not None and not o.ok]
-        errors = [o for o in failed if o.error is not None]
         summary = _summary(outcomes, self.world_size)
-        if errors:
-            first = min(errors, key=lambda o: o.elapsed_s or 0.0)
+        first = min(failed, key=lambda o: o.observed_at) if failed else None
+        if first is not None and first.error is not None:
             err, _ = _rebuild_error(first, self.world_size)
             if len(outcomes) > 1 and hasattr(err, "add_note"):
                 err.add_note(f"every rank:\n{summary}")
             raise err
-        if failed:
-            raise RankDied(f"{self.backend} world of {self.world_size}: a rank died\n{summary}")
+        if first is not None:
+            raise RankDied(f"{self.backend} world of {self.world_size}: rank {first.rank} "
+                           f"died first\n{summary}")
         raise RankTimeout(f"{self.backend} world of {self.world_size}: no answer within "
                           f"{timeout:.0f} s; world killed\n{summary}")
 

@@ -1,6 +1,7 @@
 """Registration of the "ringreduce" backend: import, entry point, autoload, device strings."""
 import importlib
 import importlib.metadata
+import os
 import subprocess
 import sys
 import textwrap
@@ -70,7 +71,7 @@ def test_failing_autoload_only_warns():
     proc = _python("""
         import warnings
         import torch_ringreduce._registration as registration
-        from torch_ringreduce import _autoload
+        import torch_ringreduce_autoload as _autoload
 
         def broken():
             raise OSError("simulated failure")
@@ -110,3 +111,22 @@ def test_device_string_backend_cpu_ringreduce(fresh_world):
     assert out["is_ring"], f"cpu backend is {out['backend_type']}, not RingBackend"
     assert out["result"] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert "ringreduce" in out["get_backend"], out["get_backend"]
+
+
+def test_broken_package_does_not_break_import_torch():
+    # A broken install (here: a _registration module without its functions, so
+    # the package's own import raises) must not break `import torch`, which
+    # runs our entry point: it warns instead.
+    if _entry_point() is None:
+        pytest.skip("torch.backends entry point not installed (pip install -e .)")
+    proc = _python("""
+        import sys, types, warnings
+        warnings.simplefilter("always")
+        sys.modules["torch_ringreduce._registration"] = types.ModuleType("broken")
+        import torch
+        print("imported", torch.__version__)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "imported" in proc.stdout
+    assert "could not register the 'ringreduce' backend" in proc.stderr
+    assert "ImportError" in proc.stderr

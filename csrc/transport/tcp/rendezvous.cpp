@@ -9,6 +9,8 @@
 // and never reaches a collective. The accept thread stays up for the group's
 // life so that late strangers are refused the same way.
 #include <fcntl.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -71,6 +73,17 @@ bool sameSecret(const char* a, const std::string& b) {
   return diff == 0;
 }
 
+// The host of the TCPStore behind the group's (prefixed) store, or "" for
+// other stores (FileStore, HashStore).
+std::string storeHost(const c10::intrusive_ptr<c10d::Store>& store) {
+  c10::intrusive_ptr<c10d::Store> s = store;
+  while (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(s.get())) {
+    s = prefixed->getUnderlyingStore();
+  }
+  auto* tcp = dynamic_cast<c10d::TCPStore*>(s.get());
+  return tcp != nullptr ? tcp->getHost() : "";
+}
+
 std::string toString(const std::vector<uint8_t>& v) {
   return std::string(v.begin(), v.end());
 }
@@ -100,7 +113,7 @@ void TcpTransport::connectMesh(std::chrono::milliseconds timeout) {
   }
   TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, prefix, " pipe2 failed: ",
               std::strerror(errno));
-  listenFd_ = listenOn(chooseLocalAddress(), &bound_);
+  listenFd_ = listenOn(chooseLocalAddress(storeHost(store_)), &bound_);
   store_->set(storeBase_ + "addr/" + std::to_string(rank_), formatAddress(bound_));
   acceptThread_ = std::thread([this] { acceptLoop(); });
   try {

@@ -88,7 +88,7 @@ std::string routeTo(const std::string& host) {
 
 }  // namespace
 
-std::string chooseLocalAddress() {
+std::string chooseLocalAddress(const std::string& storeHost) {
   std::string explicitAddr = envString(kEnvAddr, "");
   if (!explicitAddr.empty()) {
     return explicitAddr;
@@ -97,9 +97,8 @@ std::string chooseLocalAddress() {
   if (!ifname.empty()) {
     return interfaceAddress(ifname);
   }
-  std::string master = envString("MASTER_ADDR", "");
-  if (!master.empty()) {
-    std::string local = routeTo(master);
+  for (const std::string& host : {storeHost, envString("MASTER_ADDR", "")}) {
+    std::string local = host.empty() ? "" : routeTo(host);
     if (!local.empty()) {
       return local;
     }

@@ -15,8 +15,8 @@ using Clock = std::chrono::steady_clock;
 
 // The IPv4 address this rank listens on and advertises: $RINGREDUCE_SOCKET_ADDR,
 // else the address of $RINGREDUCE_SOCKET_IFNAME, else the local address of the
-// route to $MASTER_ADDR (the store's host), else 127.0.0.1.
-std::string chooseLocalAddress();
+// route to the store's host (storeHost, else $MASTER_ADDR), else 127.0.0.1.
+std::string chooseLocalAddress(const std::string& storeHost);
 
 // "10.0.0.3:41234"
 std::string formatAddress(const sockaddr_in& addr);

@@ -1,6 +1,8 @@
 """Entry point of the `torch.backends` group: `import torch` calls `autoload()`.
 
-Whatever goes wrong here must never break `import torch`: warn and go on.
+A top-level module on purpose: importing it runs nothing of the
+torch_ringreduce package, so nothing that goes wrong there (a broken build, a
+partial install) can break `import torch`. We warn instead.
 """
 import warnings
 
