@@ -1,6 +1,9 @@
 """Exit 0 when an installed torch is 2.11 or newer (used as it is), else 1."""
+import os
 import sys
 
+# Judge torch alone, not the entry points of whatever is installed beside it.
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 try:
     import torch
 except ImportError:
