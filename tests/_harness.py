@@ -13,6 +13,7 @@ traceback), and kills the world after a timeout or an error, which marks it
 `broken` so that a `WorldPool` rebuilds it for the next call.
 """
 import dataclasses
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -57,7 +58,8 @@ class RankOutcome:
     ok: bool
     value: object = None
     error: object = None  # (pickled exception or None, traceback text)
-    text: str = ""
+    text: str = ""  # the remote traceback
+    headline: str = ""  # "ExceptionType: first line of the message"
     exitcode: int = None
     elapsed_s: float = None
     observed_at: float = dataclasses.field(default_factory=time.monotonic)
@@ -118,12 +120,14 @@ def _import_backend(backend):
 
 def _describe_error(err):
     text = "".join(traceback.format_exception(err))
+    message = str(err).strip().splitlines()
+    headline = f"{type(err).__name__}: {message[0] if message else ''}"
     try:
         payload = pickle.dumps(err)
         pickle.loads(payload)
     except Exception:  # noqa: BLE001 - unpicklable: send the text alone
         payload = None
-    return payload, text
+    return payload, text, headline
 
 
 def _reply(conn, ok, value=None, err=None, started=None):
@@ -134,12 +138,12 @@ def _reply(conn, ok, value=None, err=None, started=None):
             return
         except Exception as send_err:  # noqa: BLE001 - report it instead
             err = TypeError(f"rank result is not picklable: {send_err!r}")
-    payload, text = _describe_error(err)
-    conn.send(("err", (payload, text), elapsed))
+    conn.send(("err", _describe_error(err), elapsed))
 
 
 def _worker_main(conn, rank, world_size, backend, store_dir, pg_timeout_s, init):
     """Entry point of a worker: join the groups, then serve calls until None."""
+    faulthandler.enable()  # a crashing rank prints its Python stack to stderr
     ctx = Context(rank, world_size, backend, store_dir, pg_timeout_s)
     try:
         import torch
@@ -207,11 +211,7 @@ def _outcome_line(rank, outcome):
     if outcome.ok:
         return f"  rank {rank}: ok"
     if outcome.error is not None:
-        last = outcome.text.strip().splitlines()[-1] if outcome.text.strip() else "?"
-        for line in outcome.text.splitlines():
-            if line and not line.startswith((" ", "Traceback", "in case:", "(raised")):
-                last = line  # the exception line, not the traceback frames
-        return f"  rank {rank}: {last[:300]}"
+        return f"  rank {rank}: {outcome.headline[:300]}"
     code = outcome.exitcode
     if code is not None and code < 0:
         try:
@@ -321,7 +321,9 @@ class World:
             return RankOutcome(rank, False, exitcode=self._procs[rank].exitcode)
         if status == "ok":
             return RankOutcome(rank, True, value=value, elapsed_s=elapsed)
-        return RankOutcome(rank, False, error=value, text=value[1], elapsed_s=elapsed)
+        payload, text, headline = value
+        return RankOutcome(rank, False, error=(payload, text), text=text, headline=headline,
+                           elapsed_s=elapsed)
 
     def _raise_first(self, outcomes, timeout):
         __tracebackhide__ = True
