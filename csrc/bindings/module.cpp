@@ -5,6 +5,7 @@
 
 #include "algorithms/segments.h"
 #include "backend/ring_backend.h"
+#include "kernels/sync_bn.h"
 
 namespace py = pybind11;
 
@@ -25,6 +26,23 @@ PYBIND11_MODULE(_C, m) {
            "'ip:port' this rank accepts peer connections on")
       .def("refused_connections", &ringreduce::RingBackend::refusedConnections,
            "Why each refused (unauthenticated) connection was refused");
+
+  // Sync batch-norm kernels (contracts in csrc/kernels/sync_bn.h).
+  using OptT = std::optional<at::Tensor>;
+  m.def("bn_stats_pack", &ringreduce::bnStatsPack, py::arg("x"));
+  m.def("bn_finalize",
+        [](const at::Tensor& pack, double eps, std::optional<at::ScalarType> dtype) {
+          return ringreduce::bnFinalize(pack, eps, dtype.value_or(at::kFloat));
+        },
+        py::arg("pack"), py::arg("eps"), py::arg("dtype") = py::none());
+  m.def("bn_forward", &ringreduce::bnForward, py::arg("x"), py::arg("mean"), py::arg("invstd"),
+        py::arg("var_unbiased"), py::arg("weight") = OptT(), py::arg("bias") = OptT(),
+        py::arg("running_mean") = OptT(), py::arg("running_var") = OptT(),
+        py::arg("num_batches_tracked") = OptT(), py::arg("momentum") = 0.1);
+  m.def("bn_backward_reduce", &ringreduce::bnBackwardReduce, py::arg("dy"), py::arg("x"),
+        py::arg("mean"));
+  m.def("bn_backward_elemt", &ringreduce::bnBackwardElemt, py::arg("dy"), py::arg("x"),
+        py::arg("mean"), py::arg("invstd"), py::arg("weight"), py::arg("sums"), py::arg("count"));
 
   // Pure ring arithmetic, exposed for unit tests.
   m.def("_even_block", [](size_t count, int parts, int i) {
