@@ -35,8 +35,9 @@ def sources(cuda: bool) -> list:
     found = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     if cuda:
         found += sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
-    else:
-        found = [s for s in found if os.sep + "nccl" + os.sep not in s]
+    else:  # the CPU build leaves out everything that needs CUDA headers
+        cuda_only = (os.sep + "nccl" + os.sep, os.sep + "cuda" + os.sep)
+        found = [s for s in found if not any(part in s for part in cuda_only)]
     return found
 
 

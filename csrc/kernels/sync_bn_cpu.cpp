@@ -7,7 +7,7 @@
 // inner, so the innermost loop is always unit-stride and vectorises.
 // Reductions accumulate in float64 per chunk; chunk results are merged in
 // chunk order, so results do not depend on the thread count.
-#include "kernels/sync_bn.h"
+#include "kernels/sync_bn_impl.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -16,26 +16,10 @@
 #include <vector>
 
 namespace ringreduce {
+namespace cpu {
 namespace {
 
-struct Layout {
-  int64_t outer, channels, inner;
-  int64_t outerStride, channelStride;  // inner stride is 1
-};
-
-// The [outer][C][inner] view of x, or of a contiguous copy when x is neither
-// contiguous nor channels_last (*holder keeps that copy alive).
-Layout layoutOf(const at::Tensor& x, at::Tensor* holder) {
-  TORCH_CHECK_VALUE(x.dim() >= 2 && x.dim() <= 5, "[ringreduce] sync batch norm expects a 2D-5D ",
-                    "input (N, C, ...), got ", x.dim(), "D");
-  const int64_t n = x.size(0), c = x.size(1), spatial = c == 0 || n == 0 ? 0 : x.numel() / (n * c);
-  bool channelsLast = x.dim() == 2 || (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
-                      (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d));
-  if (x.dim() > 2 && x.is_contiguous()) channelsLast = false;
-  *holder = (channelsLast || x.is_contiguous()) ? x : x.contiguous();
-  if (channelsLast) return {n * spatial, c, 1, c, 1};
-  return {n, c, spatial, c * spatial, spatial};
-}
+using Layout = BnLayout;
 
 constexpr int64_t kChunkElems = 1 << 15;
 
@@ -100,7 +84,7 @@ void checkStat(const at::Tensor& t, int64_t c, const char* name) {
 
 at::Tensor bnStatsPack(const at::Tensor& input) {
   at::Tensor x;
-  const Layout l = layoutOf(input, &x);
+  const Layout l = bnLayoutOf(input, &x);
   const int64_t C = l.channels;
   at::Tensor pack = at::zeros({3, C}, input.options().dtype(at::kDouble));
   if (l.outer == 0 || l.inner == 0 || C == 0) return pack;
@@ -202,7 +186,7 @@ at::Tensor bnForward(const at::Tensor& input, const at::Tensor& mean, const at::
                      const std::optional<at::Tensor>& runningVar,
                      const std::optional<at::Tensor>& numBatchesTracked, double momentum) {
   at::Tensor x;
-  const Layout l = layoutOf(input, &x);
+  const Layout l = bnLayoutOf(input, &x);
   const int64_t C = l.channels;
   checkStat(mean, C, "mean");
   checkStat(invstd, C, "invstd");
@@ -231,7 +215,7 @@ at::Tensor bnForward(const at::Tensor& input, const at::Tensor& mean, const at::
 
 at::Tensor bnBackwardReduce(const at::Tensor& dyIn, const at::Tensor& xIn, const at::Tensor& mean) {
   at::Tensor x;
-  const Layout l = layoutOf(xIn, &x);
+  const Layout l = bnLayoutOf(xIn, &x);
   // dy in x's memory order, so one index addresses both.
   at::Tensor dy = dyIn.contiguous(x.suggest_memory_format());
   TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "[ringreduce] bn_backward_reduce: dy ", dyIn.sizes(),
@@ -268,7 +252,7 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& xIn, const 
                            const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                            const at::Tensor& sumsIn, const at::Tensor& countIn) {
   at::Tensor x;
-  const Layout l = layoutOf(xIn, &x);
+  const Layout l = bnLayoutOf(xIn, &x);
   at::Tensor dy = dyIn.contiguous(x.suggest_memory_format());
   TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "[ringreduce] bn_backward_elemt: dy ", dyIn.sizes(),
                     " does not match x ", xIn.sizes());
@@ -304,4 +288,5 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& xIn, const 
   return dx;
 }
 
+}  // namespace cpu
 }  // namespace ringreduce

@@ -1,0 +1,125 @@
+// CUDA tensors -> the launchers in sync_bn_kernels.cu (CUDA builds only).
+// Each entry point sets the device guard, runs on the caller's current
+// stream, checks its launch, and never reads device memory on the host.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "kernels/cuda/sync_bn_kernels.h"
+#include "kernels/sync_bn_impl.h"
+
+namespace ringreduce {
+namespace cuda {
+namespace {
+
+DType dtypeOf(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat;
+    case at::kDouble: return DType::kDouble;
+    case at::kHalf: return DType::kHalf;
+    case at::kBFloat16: return DType::kBFloat16;
+    default:
+      TORCH_CHECK_VALUE(false, "[ringreduce] sync batch norm: unsupported dtype ", t.scalar_type());
+  }
+  return DType::kFloat;
+}
+
+void check(cudaError_t err, const char* kernel) {
+  TORCH_CHECK(err == cudaSuccess, "[ringreduce] CUDA kernel ", kernel, " failed to launch: ",
+              cudaGetErrorString(err));
+}
+
+const void* ptrOrNull(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->contiguous().data_ptr() : nullptr;
+}
+
+cudaStream_t stream() {
+  return c10::cuda::getCurrentCUDAStream().stream();
+}
+
+}  // namespace
+
+at::Tensor bnStatsPack(const at::Tensor& input) {
+  c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor x;
+  BnLayout l = bnLayoutOf(input, &x);
+  at::Tensor pack = at::zeros({3, l.channels}, input.options().dtype(at::kDouble));
+  if (l.numel() > 0) {
+    check(statsPack(x.const_data_ptr(), dtypeOf(x), l, pack.data_ptr<double>(), stream()),
+          "stats_pack");
+  }
+  return pack;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bnFinalize(const at::Tensor& pack, double eps,
+                                                          c10::ScalarType statDtype) {
+  c10::cuda::CUDAGuard guard(pack.device());
+  at::Tensor p = pack.contiguous();
+  const int64_t C = p.size(1);
+  auto opts = p.options().dtype(statDtype);
+  at::Tensor mean = at::empty({C}, opts), invstd = at::empty({C}, opts), var = at::empty({C}, opts);
+  check(finalize(p.const_data_ptr<double>(), C, eps, statDtype == at::kDouble ? DType::kDouble : DType::kFloat,
+                 mean.data_ptr(), invstd.data_ptr(), var.data_ptr(), stream()),
+        "finalize");
+  return {mean, invstd, var};
+}
+
+at::Tensor bnForward(const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+                     const at::Tensor& varUnbiased, const std::optional<at::Tensor>& weight,
+                     const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& runningMean,
+                     const std::optional<at::Tensor>& runningVar,
+                     const std::optional<at::Tensor>& numBatchesTracked, double momentum) {
+  c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor x;
+  BnLayout l = bnLayoutOf(input, &x);
+  const DType stat = dtypeOf(mean);
+  at::Tensor y = at::empty_like(x);
+  check(normalize(x.const_data_ptr(), y.data_ptr(), dtypeOf(x), l, mean.const_data_ptr(),
+                  invstd.const_data_ptr(), ptrOrNull(weight), ptrOrNull(bias), stat, stream()),
+        "normalize");
+  if (runningMean.has_value() && runningMean->defined()) {
+    TORCH_CHECK_VALUE(momentum >= 0 || (numBatchesTracked.has_value() && numBatchesTracked->defined()),
+                      "[ringreduce] bn_forward: momentum=None needs num_batches_tracked");
+    const int64_t* nbt = momentum >= 0 ? nullptr : numBatchesTracked->const_data_ptr<int64_t>();
+    void* rv = runningVar.has_value() && runningVar->defined() ? runningVar->data_ptr() : nullptr;
+    check(updateRunningStats(runningMean->data_ptr(), rv, mean.const_data_ptr(),
+                             varUnbiased.const_data_ptr(), stat, l.channels, nbt, momentum, stream()),
+          "update_running_stats");
+  }
+  return y;
+}
+
+at::Tensor bnBackwardReduce(const at::Tensor& dyIn, const at::Tensor& input, const at::Tensor& mean) {
+  c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor x;
+  BnLayout l = bnLayoutOf(input, &x);
+  at::Tensor dy = dyIn.contiguous(x.suggest_memory_format());
+  at::Tensor sums = at::zeros({2, l.channels}, input.options().dtype(at::kDouble));
+  if (l.numel() > 0) {
+    check(backwardReduce(dy.const_data_ptr(), x.const_data_ptr(), dtypeOf(x), l, mean.const_data_ptr(),
+                         dtypeOf(mean), sums.data_ptr<double>(), stream()),
+          "backward_reduce");
+  }
+  return sums;
+}
+
+at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& input, const at::Tensor& mean,
+                           const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                           const at::Tensor& sumsIn, const at::Tensor& countIn) {
+  c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor x;
+  BnLayout l = bnLayoutOf(input, &x);
+  at::Tensor dy = dyIn.contiguous(x.suggest_memory_format());
+  at::Tensor sums = sumsIn.to(at::kDouble).contiguous();
+  at::Tensor count = countIn.to(at::kDouble).contiguous();
+  at::Tensor dx = at::empty_like(x);
+  check(backwardElemt(dy.const_data_ptr(), x.const_data_ptr(), dx.data_ptr(), dtypeOf(x), l,
+                      mean.const_data_ptr(), invstd.const_data_ptr(), ptrOrNull(weight), dtypeOf(mean),
+                      sums.const_data_ptr<double>(), count.const_data_ptr<double>(),
+                      count.numel() == 1 ? 0 : 1, stream()),
+        "backward_elemt");
+  return dx;
+}
+
+}  // namespace cuda
+}  // namespace ringreduce

@@ -1,0 +1,78 @@
+// Routes the sync batch-norm kernels by device (contracts in sync_bn.h).
+#include "kernels/sync_bn_impl.h"
+
+namespace ringreduce {
+
+BnLayout bnLayoutOf(const at::Tensor& x, at::Tensor* holder) {
+  TORCH_CHECK_VALUE(x.dim() >= 2 && x.dim() <= 5, "[ringreduce] sync batch norm expects a 2D-5D ",
+                    "input (N, C, ...), got ", x.dim(), "D");
+  const int64_t n = x.size(0), c = x.size(1), spatial = c == 0 || n == 0 ? 0 : x.numel() / (n * c);
+  bool channelsLast = x.dim() == 2 || (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
+                      (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d));
+  if (x.dim() > 2 && x.is_contiguous()) channelsLast = false;
+  *holder = (channelsLast || x.is_contiguous()) ? x : x.contiguous();
+  if (channelsLast) return {n * spatial, c, 1, c, 1};
+  return {n, c, spatial, c * spatial, spatial};
+}
+
+namespace {
+
+// True when x is a CUDA tensor of a CUDA build; throws for a CUDA tensor of a
+// CPU build, and for devices we have no kernels for.
+bool onCuda(const at::Tensor& x, const char* kernel) {
+  if (x.device().is_cpu()) return false;
+#ifdef RINGREDUCE_WITH_CUDA
+  if (x.is_cuda()) return true;
+#endif
+  TORCH_CHECK_VALUE(false, "[ringreduce] ", kernel, ": no kernel for ", x.device(),
+                    " tensors in this build of torch_ringreduce (CPU",
+#ifdef RINGREDUCE_WITH_CUDA
+                    " and CUDA",
+#endif
+                    " only)");
+  return false;
+}
+
+}  // namespace
+
+#ifdef RINGREDUCE_WITH_CUDA
+#define RR_ROUTE(x, name, ...) \
+  return onCuda(x, #name) ? cuda::name(__VA_ARGS__) : cpu::name(__VA_ARGS__)
+#else
+#define RR_ROUTE(x, name, ...) \
+  onCuda(x, #name);            \
+  return cpu::name(__VA_ARGS__)
+#endif
+
+at::Tensor bnStatsPack(const at::Tensor& x) {
+  RR_ROUTE(x, bnStatsPack, x);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bnFinalize(const at::Tensor& pack, double eps,
+                                                          c10::ScalarType statDtype) {
+  RR_ROUTE(pack, bnFinalize, pack, eps, statDtype);
+}
+
+at::Tensor bnForward(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+                     const at::Tensor& varUnbiased, const std::optional<at::Tensor>& weight,
+                     const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& runningMean,
+                     const std::optional<at::Tensor>& runningVar,
+                     const std::optional<at::Tensor>& numBatchesTracked, double momentum) {
+  RR_ROUTE(x, bnForward, x, mean, invstd, varUnbiased, weight, bias, runningMean, runningVar,
+           numBatchesTracked, momentum);
+}
+
+at::Tensor bnBackwardReduce(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean) {
+  RR_ROUTE(x, bnBackwardReduce, dy, x, mean);
+}
+
+at::Tensor bnBackwardElemt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                           const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                           const at::Tensor& sums, const at::Tensor& count) {
+  RR_ROUTE(x, bnBackwardElemt, dy, x, mean, invstd, weight, sums, count);
+}
+
+#undef RR_ROUTE
+
+}  // namespace ringreduce
