@@ -19,11 +19,11 @@ deps:
 # the backend.
 .build-stamp: $(SOURCES)
 	MAX_JOBS=$(NPROC) $(PY) setup.py -q build_ext --inplace
-	@$(PY) scripts/check_install.py || \
-		RINGREDUCE_METADATA_ONLY=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	@touch $@
 
 build: deps .build-stamp
+	@$(PY) scripts/check_install.py || \
+		RINGREDUCE_METADATA_ONLY=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 demo: build
 	$(PY) -m torch.distributed.run --nproc_per_node 2 scripts/demo.py
