@@ -14,34 +14,42 @@
 
 namespace ringreduce {
 
-void gatherDirect(const Comm& c, const std::vector<char*>& blocks,
-                  const std::vector<size_t>& bytes, int root) {
+namespace {
+
+// The root exchanges with every other rank at once: receives their blocks
+// (gather) or sends them theirs (scatter); a non-root moves its own block.
+void rootExchange(const Comm& c, const std::vector<char*>& blocks,
+                  const std::vector<size_t>& bytes, int root, bool toRoot) {
   if (c.size == 1) return;
   std::vector<SendSpec> sends;
   std::vector<RecvSpec> recvs;
+  auto move = [&](int peer, char* data, size_t n) {
+    if (toRoot == (c.rank == root)) {
+      recvs.push_back({peer, data, n, 0, {}});
+    } else {
+      sends.push_back({peer, data, n, 0});
+    }
+  };
   if (c.rank == root) {
     for (int i = 0; i < c.size; ++i) {
-      if (i != root) recvs.push_back({i, blocks[i], bytes[i], 0, {}});
+      if (i != root) move(i, blocks[i], bytes[i]);
     }
   } else {
-    sends.push_back({root, blocks[c.rank], bytes[c.rank], 0});
+    move(root, blocks[c.rank], bytes[c.rank]);
   }
   c.transport.exchange(c.op, sends, recvs);
 }
 
+}  // namespace
+
+void gatherDirect(const Comm& c, const std::vector<char*>& blocks,
+                  const std::vector<size_t>& bytes, int root) {
+  rootExchange(c, blocks, bytes, root, /*toRoot=*/true);
+}
+
 void scatterDirect(const Comm& c, const std::vector<char*>& blocks,
                    const std::vector<size_t>& bytes, int root) {
-  if (c.size == 1) return;
-  std::vector<SendSpec> sends;
-  std::vector<RecvSpec> recvs;
-  if (c.rank == root) {
-    for (int i = 0; i < c.size; ++i) {
-      if (i != root) sends.push_back({i, blocks[i], bytes[i], 0});
-    }
-  } else {
-    recvs.push_back({root, blocks[c.rank], bytes[c.rank], 0, {}});
-  }
-  c.transport.exchange(c.op, sends, recvs);
+  rootExchange(c, blocks, bytes, root, /*toRoot=*/false);
 }
 
 void alltoallPairwise(const Comm& c, const std::vector<const char*>& sendBlocks,

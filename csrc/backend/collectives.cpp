@@ -16,11 +16,6 @@ uint8_t wireOp(const c10d::ReduceOp& op) {
   return static_cast<uint8_t>(op.op_);
 }
 
-// AVG is a SUM followed by one division, the same on every rank.
-void finishAverage(const c10d::ReduceOp& op, const at::Tensor& t, int size) {
-  if (op.op_ == c10d::ReduceOp::AVG) t.div_(size);
-}
-
 std::vector<at::Tensor> stagedAll(const std::vector<at::Tensor>& ts) {
   std::vector<at::Tensor> out;
   for (const auto& t : ts) out.push_back(staged(t));

@@ -34,6 +34,17 @@ std::vector<size_t> splitBytes(const OpContext& ctx, const at::Tensor& t,
   return bytes;
 }
 
+// Ring reduce-scatter of `work` (a flat copy of every rank's n blocks, which
+// it overwrites) into `out`, this rank's block.
+void reduceScatterInto(const Comm& c, const at::Tensor& work, const at::Tensor& out, ReduceFn fn,
+                       const c10d::ReduceOp& reduceOp) {
+  auto blocks = equalBlocks(work, out.numel(), c.size);
+  reduceScatterRing(c, blocksOf(blocks), std::vector<size_t>(c.size, static_cast<size_t>(out.numel())),
+                    out.element_size(), fn);
+  finishAverage(reduceOp, blocks[c.rank], c.size);
+  out.copy_(blocks[c.rank].view(out.sizes()));
+}
+
 std::vector<size_t> offsetsOf(const std::vector<size_t>& bytes) {
   std::vector<size_t> offsets(bytes.size(), 0);
   std::partial_sum(bytes.begin(), bytes.end() - 1, offsets.begin() + 1);
@@ -58,13 +69,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
                  [ins, out, fn, reduceOp](const Comm& c) {
                    std::vector<at::Tensor> flat;
                    for (const auto& t : ins) flat.push_back(t.reshape(-1));
-                   at::Tensor work = at::cat(flat);  // a copy: inputs stay unchanged
-                   auto blocks = equalBlocks(work, out.numel(), c.size);
-                   reduceScatterRing(c, blocksOf(blocks),
-                                     std::vector<size_t>(c.size, static_cast<size_t>(out.numel())),
-                                     out.element_size(), fn);
-                   if (reduceOp.op_ == c10d::ReduceOp::AVG) blocks[c.rank].div_(c.size);
-                   out.copy_(blocks[c.rank].view(out.sizes()));
+                   reduceScatterInto(c, at::cat(flat), out, fn, reduceOp);
                  });
 }
 
@@ -81,13 +86,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
   auto reduceOp = opts.reduceOp;
   return enqueue(std::move(op), opts.timeout, c10d::OpType::_REDUCE_SCATTER_BASE, {output},
                  [in, out, fn, reduceOp](const Comm& c) {
-                   at::Tensor work = in.reshape(-1).clone();  // inputs stay unchanged
-                   auto blocks = equalBlocks(work, out.numel(), c.size);
-                   reduceScatterRing(c, blocksOf(blocks),
-                                     std::vector<size_t>(c.size, static_cast<size_t>(out.numel())),
-                                     out.element_size(), fn);
-                   if (reduceOp.op_ == c10d::ReduceOp::AVG) blocks[c.rank].div_(c.size);
-                   out.copy_(blocks[c.rank].view(out.sizes()));
+                   reduceScatterInto(c, in.reshape(-1).clone(), out, fn, reduceOp);
                  });
 }
 

@@ -28,6 +28,11 @@ void checkRoot(const OpContext& ctx, int64_t root, int size, const char* name);
 // The kernel for (dtype, op), or a ValueError saying why there is none.
 ReduceFn checkReduce(const OpContext& ctx, c10::ScalarType dtype, const c10d::ReduceOp& op);
 
+// AVG runs as SUM followed by this one division, the same on every rank.
+inline void finishAverage(const c10d::ReduceOp& op, const at::Tensor& t, int size) {
+  if (op.op_ == c10d::ReduceOp::AVG) t.div_(size);
+}
+
 // t itself when contiguous, else a contiguous copy to run the op on.
 at::Tensor staged(const at::Tensor& t);
 // Copies the result back into the caller's tensor when `s` is a copy.
