@@ -121,7 +121,8 @@ def _import_backend(backend):
 def _describe_error(err):
     text = "".join(traceback.format_exception(err))
     message = str(err).strip().splitlines()
-    headline = f"{type(err).__name__}: {message[0] if message else ''}"
+    notes = "".join(f" [{note}]" for note in getattr(err, "__notes__", []))
+    headline = f"{type(err).__name__}: {message[0] if message else ''}{notes}"
     try:
         payload = pickle.dumps(err)
         pickle.loads(payload)
@@ -211,7 +212,7 @@ def _outcome_line(rank, outcome):
     if outcome.ok:
         return f"  rank {rank}: ok"
     if outcome.error is not None:
-        return f"  rank {rank}: {outcome.headline[:300]}"
+        return f"  rank {rank}: {outcome.headline[:400]}"
     code = outcome.exitcode
     if code is not None and code < 0:
         try:

@@ -93,7 +93,7 @@ void P2PEngine::postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, s
     std::lock_guard<std::mutex> lock(mu_);
     failed = failed_;
     if (failed.empty()) {
-      recvs_.push_back({op, peer, tag, static_cast<char*>(data), bytes, std::move(done)});
+      recvs_.push_back({op, peer, tag, static_cast<char*>(data), bytes, std::move(done), false});
     }
   }
   if (!failed.empty()) {
@@ -138,7 +138,7 @@ bool P2PEngine::wantsRead(int peer) const {
   if (in.headerDone == sizeof(WireHeader)) return in.matched || in.draining;
   if (in.headerDone > 0) return true;
   for (const auto& r : recvs_) {
-    if (r.peer == peer || r.peer == -1) return true;
+    if (!r.claimed && (r.peer == peer || r.peer == -1)) return true;
   }
   return false;
 }
@@ -153,7 +153,9 @@ void P2PEngine::matchHeader(int peer, std::vector<Completion>& done) {
     return;
   }
   for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
-    if ((it->peer != peer && it->peer != -1) || it->tag != h.step) continue;
+    // A claimed receive already takes another peer's message (any-source
+    // receives match whichever header arrives first, and only that one).
+    if (it->claimed || (it->peer != peer && it->peer != -1) || it->tag != h.step) continue;
     std::string what;
     if (h.bytes != it->bytes) {
       what = "byte count mismatch: got " + std::to_string(h.bytes) + ", expected " +
@@ -170,6 +172,7 @@ void P2PEngine::matchHeader(int peer, std::vector<Completion>& done) {
       recvs_.erase(it);
       in.draining = true;
     } else {
+      it->claimed = true;
       in.match = it;
       in.matched = true;
     }
@@ -262,8 +265,7 @@ void P2PEngine::expire(std::vector<Completion>& done) {
     }
   }
   for (auto it = recvs_.begin(); it != recvs_.end();) {
-    bool inFlight = false;
-    for (const auto& in : incoming_) inFlight |= in.matched && in.match == it;
+    const bool inFlight = it->claimed;
     if (it->op.deadline > now) {
       ++it;
     } else if (inFlight) {

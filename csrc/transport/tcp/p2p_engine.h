@@ -49,6 +49,7 @@ class P2PEngine {
     char* data;
     size_t bytes;
     P2PCallback cb;
+    bool claimed = false;  // an incoming message is being read into it
   };
   // The message being read from one peer.
   struct Incoming {

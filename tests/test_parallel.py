@@ -1,0 +1,215 @@
+"""Our DistributedDataParallel (torch_ringreduce.parallel) against torch's.
+
+The same model (each rank starts from a different init; both wrappers
+broadcast rank 0's), the same per-rank data and the same SGD steps must reach
+the same parameters and buffers as torch.nn.parallel.DistributedDataParallel
+on the backend under test, with and without no_sync() accumulation, and with
+parameters unused on some or all ranks. All-reduces are counted.
+"""
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from torch_ringreduce.parallel import DistributedDataParallel
+
+STEPS = 3
+REL_TOL = 1e-5
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 32)
+        self.extra = nn.Linear(32, 32)  # used only when forward is told to
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x, use_extra=True):
+        h = torch.relu(self.bn(self.fc1(x)))
+        h = torch.relu(self.fc2(h))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.head(h)
+
+
+def _batch(rank, step, micro):
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    return torch.randn(6, 8, generator=gen), torch.randint(0, 5, (6,), generator=gen)
+
+
+def _rel_diff(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _train(ddp, rank, steps, accum, use_extra, counts=None):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        for micro in range(accum):
+            last = micro == accum - 1
+            before = getattr(ddp, "allreduce_count", 0)
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                x, y = _batch(rank, step, micro)
+                loss = nn.functional.cross_entropy(ddp(x, use_extra(rank, step)), y)
+                loss.backward()
+            if counts is not None:
+                counts.append((last, ddp.allreduce_count - before))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def compare(ctx, accum, bucket_cap_mb, unused):
+    """Remote: train ours and torch's side by side; return diffs and counts."""
+    rank = ctx.rank
+    torch.manual_seed(1234 + rank)  # different inits: both must broadcast rank 0's
+    model = Net()
+    reference = copy.deepcopy(model)
+    if unused == "everywhere":
+        def use_extra(r, step):
+            return False
+    elif unused == "rank0-only":
+        def use_extra(r, step):
+            return r == 0 or step % 2 == 1
+    else:
+        def use_extra(r, step):
+            return True
+    ours = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    theirs = TorchDDP(reference, find_unused_parameters=unused != "none")
+    counts = []
+    _train(ours, rank, STEPS, accum, use_extra, counts)
+    _train(theirs, rank, STEPS, accum, use_extra)
+    diffs = {}
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        diffs[name] = _rel_diff(p.detach(), q.detach())
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        diffs[name] = _rel_diff(b.double(), c.double())
+    state = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {"diffs": diffs, "counts": counts, "buckets": ours.bucket_count,
+            "sizes": ours.bucket_sizes, "state": state,
+            "extra_grad_none": model.extra.weight.grad is None}
+
+
+@pytest.mark.parametrize("world_size, accum, bucket_cap_mb", [
+    (2, 1, 25.0),  # one bucket
+    (2, 2, 0.002),  # a bucket per parameter or two, accumulation
+    (3, 2, 0.005),
+])
+def test_matches_torch_ddp(worlds, world_size, accum, bucket_cap_mb):
+    results = worlds.run(world_size, compare, accum, bucket_cap_mb, "none", timeout=90)
+    for rank, res in enumerate(results):
+        bad = {k: v for k, v in res["diffs"].items() if not v < REL_TOL}
+        assert not bad, f"rank {rank}: differs from torch DDP: {bad}"
+        assert torch.equal(res["state"], results[0]["state"]), f"rank {rank} diverged"
+        buckets = res["buckets"]
+        assert buckets == 1 if bucket_cap_mb >= 1 else buckets >= 3, res["sizes"]
+        # no_sync micro-batches launch nothing; a synchronised one, one per bucket
+        assert res["counts"] == [(micro == accum - 1, buckets if micro == accum - 1 else 0)
+                                 for _ in range(STEPS) for micro in range(accum)]
+
+
+@pytest.mark.parametrize("world_size, unused", [(2, "everywhere"), (2, "rank0-only"),
+                                                (3, "rank0-only")])
+def test_unused_parameters(worlds, world_size, unused):
+    results = worlds.run(world_size, compare, 2, 0.005, unused, timeout=60)
+    for rank, res in enumerate(results):
+        bad = {k: v for k, v in res["diffs"].items() if not v < REL_TOL}
+        assert not bad, f"rank {rank}: differs from torch DDP: {bad}"
+        assert torch.equal(res["state"], results[0]["state"]), f"rank {rank} diverged"
+        # zero_grad(set_to_none) after the last step: None either way
+        assert res["extra_grad_none"]
+
+
+def unused_grad_state(ctx):
+    """Remote: .grad of a parameter unused everywhere stays None; used on one rank: averaged."""
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)
+    x, y = _batch(0, 0, 0)
+    nn.functional.cross_entropy(ddp(x, use_extra=False), y).backward()
+    none_everywhere = model.extra.weight.grad is None
+    model.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(ddp(x, use_extra=ctx.rank == 0), y).backward()
+    grad = model.extra.weight.grad
+    return none_everywhere, None if grad is None else grad.clone()
+
+
+def test_unused_parameter_grads(worlds):
+    results = worlds.run(2, unused_grad_state, timeout=60)
+    assert all(none for none, _ in results), "a parameter no rank used got a .grad"
+    assert results[0][1] is not None and results[1][1] is not None
+    assert torch.equal(results[0][1], results[1][1])
+    assert results[0][1].abs().sum() > 0
+
+
+def overlap(ctx):
+    """Remote: buckets go out while backward still runs (before its last gradient)."""
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)
+    seen = []
+    # Runs when backward reaches fc1, before fc1's parameters get their gradients.
+    model.fc1.register_full_backward_pre_hook(
+        lambda module, grad_output: seen.append(ddp.allreduce_count))
+    x, y = _batch(ctx.rank, 0, 0)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    return seen, ddp.allreduce_count, ddp.bucket_count
+
+
+def test_buckets_overlap_backward(worlds):
+    for seen, total, buckets in worlds.run(2, overlap, timeout=60):
+        assert total == buckets >= 4
+        assert len(seen) == 1 and 0 < seen[0] < total, (seen, total)
+
+
+def single_rank(ctx):
+    """Remote (world of 1): no communication, plain local training."""
+    torch.manual_seed(0)
+    model = Net()
+    plain = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    _train(ddp, 0, 2, 2, lambda r, s: True)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        for micro in range(2):
+            x, y = _batch(0, step, micro)
+            nn.functional.cross_entropy(plain(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+    return same, ddp.allreduce_count
+
+
+def test_world_of_one(worlds):
+    [(same, count)] = worlds.run(1, single_rank, timeout=60)
+    assert same and count == 0
+
+
+def subgroup_training(ctx):
+    """Remote: the wrapper on a sub-group broadcasts from the group's first rank."""
+    ranks = [1, 2]
+    group, _ = ctx.subgroup(ranks)
+    if ctx.rank not in ranks:
+        return None
+    torch.manual_seed(ctx.rank)
+    model = Net()
+    first = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+    _train(ddp, ctx.rank, 2, 1, lambda r, s: True)
+    return first, torch.cat([p.detach().flatten() for p in model.parameters()]), \
+        ddp.allreduce_count
+
+
+def test_process_group_argument(worlds):
+    results = worlds.run(3, subgroup_training, timeout=60)
+    assert results[0] is None
+    (_, state1, count1), (_, state2, count2) = results[1], results[2]
+    assert torch.equal(state1, state2) and count1 == count2 == 2
+
+
+def test_rejects_bad_bucket_cap():
+    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got 0"):
+        DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=0)

@@ -1,0 +1,282 @@
+"""torch_ringreduce.SyncBatchNorm against one nn.BatchNorm on the concatenated batch.
+
+The parity matrix is the course's: workers {1, 4} x hidden {128, 256, 512, 1024}
+x batch {32, 64}, float32 standard normal input, loss = sum of the outputs over
+the first half of the global batch; outputs, input gradients and running stats
+within atol 1e-3 (rtol 0), and in fact within PARITY_TIGHT (run with -s to see
+the max errors). Each remote call sweeps many cases inside live worlds; every
+case also counts the collectives that reach the group (exactly one in forward
+and one in backward when the group has more than one rank, none in eval).
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torch_ringreduce
+from _syncbn_cases import (Case, compare, compare_kernels, even_sizes, make_batch, numerics,
+                           one_value_error, run_cases, run_cases_count_unknown, run_subgroups)
+from torch_ringreduce import _syncbn_reference as ref_kernels
+from torch_ringreduce.sync_batchnorm import SyncBatchNorm, kernel_source, revert_sync_batchnorm
+
+PARITY_ATOL = 1e-3
+PARITY_TIGHT = 1e-5
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+ERROR_KEYS = ("y", "dx", "dw", "db", "rm", "rv", "eval")
+NN_BN_FOR = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+def _merge(per_rank):
+    """[rank][case] results -> [case] with errors maxed and calls/layout joined over ranks."""
+    merged = []
+    for by_rank in zip(*per_rank):
+        errors = {k: max(r["errors"][k] for r in by_rank) for k in ERROR_KEYS}
+        calls = {k: sorted({c for r in by_rank for c in r["calls"].get(k, [])})
+                 for k in ("forward", "backward", "eval")}
+        merged.append({"errors": errors, "calls": calls,
+                       "layout_ok": all(r["layout_ok"] for r in by_rank)})
+    return merged
+
+
+def _assert_case(result, case, tol, group_size, label=""):
+    where = f"{label} {case}"
+    bad = {k: v for k, v in result["errors"].items() if not v <= tol}
+    assert not bad, f"errors above {tol:g}: {bad} in {where}"
+    assert result["layout_ok"], f"wrong dtype/memory format/num_batches_tracked in {where}"
+    want = [1] if group_size > 1 else [0]
+    assert result["calls"]["forward"] == want, f"forward collectives {result['calls']} {where}"
+    assert result["calls"]["backward"] == want, f"backward collectives {result['calls']} {where}"
+    assert result["calls"]["eval"] in ([], [0]), f"eval communicated: {result['calls']} {where}"
+
+
+# ------------------------------------------------------------------ parity matrix
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_parity_matrix(worlds, workers):
+    cases = [Case(even_sizes(batch, workers), (hidden,), seed=hidden + batch)
+             for hidden in (128, 256, 512, 1024) for batch in (32, 64)]
+    results = _merge(worlds.run(workers, run_cases, cases))
+    seen = {k: 0.0 for k in ERROR_KEYS}
+    for case, result in zip(cases, results):
+        _assert_case(result, case, PARITY_ATOL, workers)
+        for k, v in result["errors"].items():
+            seen[k] = max(seen[k], v)
+    print(f"\nparity matrix, {workers} workers, kernels {kernel_source()['bn_forward']}: "
+          "max abs error " + ", ".join(f"{k} {v:.2e}" for k, v in seen.items() if k != "eval"))
+    assert max(seen.values()) <= PARITY_TIGHT, f"parity looser than {PARITY_TIGHT}: {seen}"
+
+
+# ------------------------------------------------------------------ shapes, layouts, dtypes
+
+UNEVEN = [5, 0, 3, 9]
+SWEEP = [
+    Case([2, 2, 2, 2], (6,)), Case(UNEVEN, (6,)),
+    Case([3, 3, 3, 3], (5, 7)), Case(UNEVEN, (5, 7)),
+    Case([2, 2, 2, 2], (4, 3, 5)), Case(UNEVEN, (4, 3, 5)),
+    Case([1, 2, 1, 2], (3, 2, 3, 4)), Case([0, 3, 0, 2], (3, 2, 3, 4)),
+    Case([2, 2, 2, 2], (4, 3, 5), channels_last=True), Case(UNEVEN, (4, 3, 5), channels_last=True),
+    Case([1, 2, 1, 2], (3, 2, 3, 4), channels_last=True),
+    Case([4, 4, 4, 4], (8,), dtype=torch.float64), Case(UNEVEN, (3, 4, 4), dtype=torch.float64),
+    Case([4, 4, 4, 4], (8,), dtype=torch.float16), Case(UNEVEN, (4, 3, 5), dtype=torch.float16,
+                                                        channels_last=True),
+    Case([4, 4, 4, 4], (8,), dtype=torch.bfloat16), Case(UNEVEN, (4, 6), dtype=torch.bfloat16),
+    Case(UNEVEN, (6, 3), affine=False),
+    Case(UNEVEN, (6,), momentum=None, steps=4, eval_after=True),
+    Case([3, 1, 0, 4], (5, 2, 2), momentum=None, steps=3, channels_last=True),
+    Case([6, 2, 4, 4], (6, 3), eval_after=True, steps=2),
+    Case(UNEVEN, (6, 3), track=False, eval_after=True, steps=2),
+    Case([0, 0, 0, 0], (6,)),  # an empty global batch: running stats untouched
+]
+
+
+def test_shapes_layouts_dtypes_modes(worlds):
+    """2D-5D, channels_last, fp16/bf16/fp64, uneven and empty batches, momentum=None,
+    eval, track_running_stats=False, affine=False: on 4 ranks."""
+    results = _merge(worlds.run(4, run_cases, SWEEP))
+    for case, result in zip(SWEEP, results):
+        _assert_case(result, case, TOL[case.dtype], 4)
+
+
+def test_host_sync_free_path(worlds):
+    """The CUDA path (global count never read on the host), exercised on CPU tensors:
+    uneven, empty and all-empty batches, momentum=None."""
+    cases = [Case(UNEVEN, (6,)), Case([0, 0, 0, 0], (6, 2), steps=2),
+             Case([3, 1, 0, 4], (5, 2, 2), momentum=None, steps=3, channels_last=True)]
+    results = _merge(worlds.run(4, run_cases_count_unknown, cases))
+    for case, result in zip(cases, results):
+        _assert_case(result, case, TOL[case.dtype], 4)
+
+
+def test_one_collective_per_pass(worlds):
+    """The collectives reaching the group, counted by its sequence number."""
+    per_rank = worlds.run(4, run_cases, [Case([3, 5, 0, 2], (16, 4), steps=2, eval_after=True)])
+    for result in per_rank:
+        assert result[0]["calls"] == {"forward": [1, 1], "backward": [1, 1], "eval": [0]}, \
+            result[0]["calls"]
+    print(f"\ncollectives counted by {per_rank[0][0]['count_method']}")
+
+
+def test_process_group_subsets_and_gloo_group(worlds):
+    """Groups {0, 2} and {1, 3} sync separately; then a gloo group over all ranks."""
+    cases = [Case([5, 3], (6,)), Case([0, 4], (4, 3, 2), channels_last=True),
+             Case([2, 3, 0, 4], (5, 2))]
+    results = worlds.run(4, run_subgroups, cases)
+    pair_cases = [c for c in cases if len(c.sizes) == 2]
+    every = pair_cases + [c for c in cases if len(c.sizes) == 4]
+    for i, case in enumerate(every):
+        for rank, by_case in enumerate(results):
+            result = _merge([[by_case[i]]])[0]
+            _assert_case(result, case, TOL[case.dtype], len(case.sizes), f"rank {rank}")
+
+
+# ------------------------------------------------------------------ errors
+
+@pytest.mark.parametrize("sizes, tail", [
+    ([1, 0, 0, 0], (5,)), ([0, 0, 1, 0], (3, 1, 1)), ([1], (4,)), ([1], (4, 1))])
+def test_one_value_per_channel_raises_like_nn(worlds, sizes, tail):
+    with pytest.raises(ValueError) as nn_err:
+        NN_BN_FOR[len(tail) + 1](tail[0])(torch.randn(1, *tail))
+    for message, tracked in worlds.run(len(sizes), one_value_error, sizes, tail):
+        assert message is not None and message.startswith(str(nn_err.value).split(", got")[0])
+        assert "got input size" in message
+        assert tracked == 2  # incremented by the failed call, as nn does, and the good one
+
+
+
+@pytest.mark.parametrize("shape, message", [
+    ((4,), "expected 2D to 5D input (got 1D input)"),
+    ((2, 4, 1, 1, 1, 1), "expected 2D to 5D input (got 6D input)")])
+def test_input_dims_checked(shape, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SyncBatchNorm(4)(torch.randn(shape))
+
+
+# ------------------------------------------------------------------ numerics
+
+def test_numerics_large_mean(worlds):
+    """mean/std = 1e3 and 1e4 in float32: the fp64 pack keeps the variance."""
+    got = {ratio: worlds.run(4, numerics, ratio)[0] for ratio in (1e3, 1e4)}
+    print("\nnumerics (max over channels): " + "; ".join(
+        f"mean/std {r:.0e}: ours var rel {v['ours_var_rel']:.1e}, naive fp32 var rel "
+        f"{v['naive_var_rel']:.1e}, y abs {v['ours_y_abs']:.1e}" for r, v in got.items()))
+    assert got[1e3]["ours_var_rel"] < 1e-4
+    assert got[1e3]["naive_var_rel"] > 1e-4  # the bar is one fp32 sum/sumsq cannot meet
+    assert got[1e4]["ours_var_rel"] < 1e-4
+    assert got[1e4]["naive_var_rel"] > 1e-2
+    assert got[1e3]["ours_y_abs"] < 1e-3  # the mean is rounded to float32: ~ratio * 6e-8
+    assert got[1e4]["ours_y_abs"] < 5e-3
+    for v in got.values():
+        assert v["ours_mean_rel"] < 1e-6
+
+
+# ------------------------------------------------------------------ no process group
+
+def test_without_process_group_is_plain_batch_norm():
+    """torch.distributed not initialized here: plain batch norm, several steps."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    for case in (Case([16], (6,), momentum=None, steps=3, eval_after=True),
+                 Case([4], (3, 5, 4), channels_last=True, steps=2, eval_after=True),
+                 Case([8], (4, 3), track=False, eval_after=True)):
+        result = compare(_NoCtx(), case, 0)
+        bad = {k: v for k, v in result["errors"].items() if not v <= 1e-5}
+        assert not bad and result["layout_ok"], (case, result)
+
+
+class _NoCtx:
+    rank, world_size, oracle = 0, 1, None
+
+
+# ------------------------------------------------------------------ convert and revert
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.seq = nn.Sequential(nn.Flatten(), nn.Linear(4 * 5 * 5, 6), nn.BatchNorm1d(6))
+        self.bn3 = nn.BatchNorm3d(2, momentum=None)
+        self.sync = nn.SyncBatchNorm(6, affine=False)
+
+    def forward(self, x, v):
+        h = self.seq(self.bn2(self.conv(x)))
+        return self.sync(h) if not self.sync.training else h, self.bn3(v)
+
+
+def test_convert_shares_state_and_revert_restores_classes():
+    torch.manual_seed(0)
+    net = _Net()
+    net.sync.eval()  # nn.SyncBatchNorm cannot train on CPU; ours can
+    plain = copy.deepcopy(net)
+    before = {name: t for name, t in list(net.named_parameters()) + list(net.named_buffers())}
+    converted = SyncBatchNorm.convert_sync_batchnorm(net)
+    for name in ("bn2", "bn3", "sync"):
+        assert type(getattr(converted, name)) is SyncBatchNorm
+    assert type(converted.seq[2]) is SyncBatchNorm
+    after = dict(list(converted.named_parameters()) + list(converted.named_buffers()))
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert converted.state_dict().keys() == plain.state_dict().keys()
+    assert not converted.sync.training and converted.bn2.training
+    x, v = torch.randn(4, 3, 5, 5), torch.randn(3, 2, 2, 3, 2)
+    for _ in range(2):
+        for got, want in zip(converted(x, v), plain(x, v)):
+            assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    for key, tensor in plain.state_dict().items():
+        assert torch.allclose(converted.state_dict()[key].double(), tensor.double(), atol=1e-5)
+    reverted = torch_ringreduce.revert_sync_batchnorm(converted)
+    assert type(reverted.bn2) is nn.BatchNorm2d and type(reverted.bn3) is nn.BatchNorm3d
+    assert type(reverted.seq[2]) is nn.BatchNorm1d
+    assert type(reverted.sync) is nn.BatchNorm1d  # was nn.SyncBatchNorm: by the input dims
+    again = dict(list(reverted.named_parameters()) + list(reverted.named_buffers()))
+    assert all(again[k] is before[k] for k in before)
+
+
+def test_revert_nn_sync_batchnorm_without_known_dims():
+    module = nn.Sequential(nn.SyncBatchNorm(3))
+    reverted = revert_sync_batchnorm(module)
+    assert isinstance(reverted[0], torch.nn.modules.batchnorm._BatchNorm)
+    assert not isinstance(reverted[0], (nn.SyncBatchNorm, SyncBatchNorm))
+    x = torch.randn(4, 3, 2, 2)
+    assert torch.allclose(reverted[0](x), nn.BatchNorm2d(3)(x), atol=1e-6)
+
+
+# ------------------------------------------------------------------ compiled kernels
+
+def _compiled_kernels():
+    try:
+        ext = torch_ringreduce._C
+    except ImportError:
+        return None
+    return ext if hasattr(ext, "bn_stats_pack") else None
+
+
+KERNEL_SHAPES = [((7, 5), None), ((0, 5), None), ((6, 4, 9), None), ((3, 4, 5, 6), None),
+                 ((3, 4, 5, 6), torch.channels_last), ((2, 3, 4, 3, 5), torch.channels_last_3d),
+                 ((0, 3, 2, 2), torch.channels_last), ((1, 3, 1, 1), None), ((300, 7), None)]
+
+
+@pytest.mark.skipif(_compiled_kernels() is None, reason="torch_ringreduce._C has no bn_* kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape, fmt", KERNEL_SHAPES)
+def test_compiled_kernels_match_reference(shape, fmt, dtype):
+    worst = compare_kernels(_compiled_kernels(), ref_kernels, shape, fmt, dtype)
+    bad = {k: v for k, v in worst.items() if not v["ok"]}
+    assert not bad, f"_C vs reference, {dtype} {shape} {fmt}: {bad}"
+
+
+# ------------------------------------------------------------------ CUDA
+
+@pytest.mark.cuda
+def test_cuda_single_process_matches_nn():
+    for tail, fmt in (((64,), None), ((8, 4, 4), torch.channels_last)):
+        x = make_batch(3, 32, tail).cuda()
+        if fmt is not None:
+            x = x.contiguous(memory_format=fmt)
+        ours, ref = SyncBatchNorm(tail[0]).cuda(), NN_BN_FOR[len(tail) + 1](tail[0]).cuda()
+        xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ours(xo)[:16].sum().backward()
+        ref(xr)[:16].sum().backward()
+        assert torch.allclose(xo.grad, xr.grad, atol=1e-5, rtol=0)
+        assert torch.allclose(ours.running_var, ref.running_var, atol=1e-5, rtol=0)
