@@ -26,6 +26,23 @@ void allgatherRing(const Comm& c, const std::vector<char*>& blocks,
 // rank, in ring order, and copied to the others.
 void allreduceRing(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
 
+// Latency-optimal allreduce for small buffers: one step in which every rank
+// sends its whole buffer to every other rank, then each rank reduces all n
+// buffers in rank order 0..n-1. Same order everywhere, so the result is
+// bitwise identical on every rank. Moves (n-1) x the buffer per rank: only for
+// buffers up to kDirectAllreduceBytes.
+void allreduceDirect(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
+constexpr size_t kDirectAllreduceBytes = 16 * 1024;
+
+// allreduceDirect up to kDirectAllreduceBytes (latency-bound), else allreduceRing.
+inline void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {
+  if (count * elemSize <= kDirectAllreduceBytes) {
+    allreduceDirect(c, data, count, elemSize, fn);
+  } else {
+    allreduceRing(c, data, count, elemSize, fn);
+  }
+}
+
 // Reduce to root: reduce-scatter, then every rank sends its reduced block to
 // root. Equals allreduce bitwise on the root.
 void reduceRing(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn,

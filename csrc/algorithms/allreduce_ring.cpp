@@ -7,9 +7,10 @@
 //     (the reduction overlaps the rest of the transfer);
 //   allgather, n-1 steps per slice: forward the block received last step.
 // Bytes on the wire per rank: 2(n-1)/n of the buffer for allreduce, the
-// bandwidth optimum. Invariant: each element is reduced by exactly one rank in
+// bandwidth optimum. Small buffers take allreduceDirect instead (one step). Invariant: each element is reduced by exactly one rank in
 // ring order, then copied, so every rank ends bitwise identical.
 #include <algorithm>
+#include <cstring>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/segments.h"
@@ -81,6 +82,23 @@ void allgatherRing(const Comm& c, const std::vector<char*>& blocks,
   // No scratch is needed, so each step moves a whole block in one message.
   const size_t sliceElems = std::max<size_t>(1, maxOf(counts));
   allgatherSlice(c, blocks, counts, elemSize, sliceElems, 0, 0);
+}
+
+void allreduceDirect(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {
+  if (c.size == 1) return;
+  const size_t bytes = count * elemSize;
+  std::vector<char> all(bytes * c.size);
+  std::vector<SendSpec> sends;
+  std::vector<RecvSpec> recvs;
+  for (int peer = 0; peer < c.size; ++peer) {
+    if (peer == c.rank) continue;
+    sends.push_back({peer, data, bytes, 0});
+    recvs.push_back({peer, all.data() + peer * bytes, bytes, 0, {}});
+  }
+  c.transport.exchange(c.op, sends, recvs);
+  std::memcpy(all.data() + c.rank * bytes, data, bytes);
+  std::memcpy(data, all.data(), bytes);
+  for (int r = 1; r < c.size; ++r) fn(data, all.data() + r * bytes, count);
 }
 
 void allreduceRing(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {

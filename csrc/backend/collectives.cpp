@@ -42,10 +42,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& t
   ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
   OpInfo op = makeOp(OpKind::kAllreduce, "allreduce", t, wireOp(opts.reduceOp), t.numel());
   auto reduceOp = opts.reduceOp;
-  return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE, tensors,
+  return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE, tensors, opts.asyncOp,
                  [t, fn, reduceOp](const Comm& c) {
                    at::Tensor s = staged(t);
-                   allreduceRing(c, bytesOf(s), s.numel(), s.element_size(), fn);
+                   allreduceAuto(c, bytesOf(s), s.numel(), s.element_size(), fn);
                    finishAverage(reduceOp, s, c.size);
                    writeBack(t, s);
                  });
@@ -66,10 +66,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
                      wireOp(opts.reduceOp), total);
   auto reduceOp = opts.reduceOp;
   auto ts = tensors;
-  return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE_COALESCED, tensors,
+  return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp,
                  [ts, fn, reduceOp](const Comm& c) {
                    at::Tensor flat = flatten(ts);
-                   allreduceRing(c, bytesOf(flat), flat.numel(), flat.element_size(), fn);
+                   allreduceAuto(c, bytesOf(flat), flat.numel(), flat.element_size(), fn);
                    finishAverage(reduceOp, flat, c.size);
                    int64_t offset = 0;
                    for (const auto& t : ts) {
@@ -87,7 +87,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
   RR_CHECK_VALUE(opts.rootTensor == 0, ctx, "rootTensor must be 0, got ", opts.rootTensor);
   OpInfo op = makeOp(OpKind::kBroadcast, "broadcast", t, kNoReduceOp, t.numel());
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(std::move(op), opts.timeout, OpType::BROADCAST, tensors,
+  return enqueue(std::move(op), opts.timeout, OpType::BROADCAST, tensors, opts.asyncOp,
                  [t, root](const Comm& c) {
                    at::Tensor s = staged(t);
                    broadcastChain(c, bytesOf(s), nbytes(s), root);
@@ -104,7 +104,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tens
   OpInfo op = makeOp(OpKind::kReduce, "reduce", t, wireOp(opts.reduceOp), t.numel());
   int root = static_cast<int>(opts.rootRank);
   auto reduceOp = opts.reduceOp;
-  return enqueue(std::move(op), opts.timeout, OpType::REDUCE, tensors,
+  return enqueue(std::move(op), opts.timeout, OpType::REDUCE, tensors, opts.asyncOp,
                  [t, fn, root, reduceOp](const Comm& c) {
                    // Non-roots work on a copy: their input stays as it was.
                    at::Tensor s = c.rank == root ? staged(t) : t.contiguous().clone();
@@ -125,7 +125,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
   checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
   OpInfo op = makeOp(OpKind::kAllgather, "allgather", in, kNoReduceOp, in.numel());
   auto outs = outputs[0];
-  return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER, outs,
+  return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER, outs, opts.asyncOp,
                  [in, outs](const Comm& c) {
                    auto s = stagedAll(outs);
                    s[c.rank].view(-1).copy_(in.reshape(-1));
@@ -145,7 +145,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
   OpInfo op = makeOp(OpKind::kAllgather, "allgather_into_tensor", input, kNoReduceOp,
                      input.numel());
   at::Tensor in = input, out = output;
-  return enqueue(std::move(op), opts.timeout, OpType::_ALLGATHER_BASE, {output},
+  return enqueue(std::move(op), opts.timeout, OpType::_ALLGATHER_BASE, {output}, opts.asyncOp,
                  [in, out](const Comm& c) {
                    at::Tensor s = staged(out);
                    size_t count = static_cast<size_t>(in.numel());
@@ -183,7 +183,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
   auto outs = outputLists;
   std::vector<at::Tensor> flatOuts;
   for (auto& l : outputLists) flatOuts.insert(flatOuts.end(), l.begin(), l.end());
-  return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, flatOuts,
+  return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, flatOuts, opts.asyncOp,
                  [ins, outs, total](const Comm& c) {
                    at::Tensor all = at::empty({total * c.size}, ins[0].options());
                    auto blocks = equalBlocks(all, total, c.size);
@@ -219,7 +219,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
                    "only the root (rank ", root, ") takes output tensors");
   }
   OpInfo op = makeOp(OpKind::kGather, "gather", in, kNoReduceOp, in.numel());
-  return enqueue(std::move(op), opts.timeout, OpType::GATHER, outs,
+  return enqueue(std::move(op), opts.timeout, OpType::GATHER, outs, opts.asyncOp,
                  [in, outs, root](const Comm& c) {
                    std::vector<size_t> bytes(c.size, nbytes(in));
                    if (c.rank != root) {
@@ -254,7 +254,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& out
                    "only the root (rank ", root, ") takes input tensors");
   }
   OpInfo op = makeOp(OpKind::kScatter, "scatter", out, kNoReduceOp, out.numel());
-  return enqueue(std::move(op), opts.timeout, OpType::SCATTER, outputs,
+  return enqueue(std::move(op), opts.timeout, OpType::SCATTER, outputs, opts.asyncOp,
                  [ins, out, root](const Comm& c) {
                    std::vector<size_t> bytes(c.size, nbytes(out));
                    at::Tensor s = staged(out);

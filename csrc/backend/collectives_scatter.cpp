@@ -65,7 +65,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
                      static_cast<uint8_t>(opts.reduceOp.op_), out.numel());
   auto ins = inputs[0];
   auto reduceOp = opts.reduceOp;
-  return enqueue(std::move(op), opts.timeout, c10d::OpType::REDUCE_SCATTER, outputs,
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp,
                  [ins, out, fn, reduceOp](const Comm& c) {
                    std::vector<at::Tensor> flat;
                    for (const auto& t : ins) flat.push_back(t.reshape(-1));
@@ -84,7 +84,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
                      static_cast<uint8_t>(opts.reduceOp.op_), output.numel());
   at::Tensor in = input, out = output;
   auto reduceOp = opts.reduceOp;
-  return enqueue(std::move(op), opts.timeout, c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp,
                  [in, out, fn, reduceOp](const Comm& c) {
                    reduceScatterInto(c, in.reshape(-1).clone(), out, fn, reduceOp);
                  });
@@ -108,7 +108,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
   // byte count still catches splits that disagree across ranks.
   OpInfo op = makeOp(OpKind::kAlltoall, "alltoall_base", input, kNoReduceOp, kUnchecked);
   at::Tensor in = input, out = output;
-  return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL_BASE, {output},
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp,
                  [in, out, sendBytes, recvBytes](const Comm& c) {
                    at::Tensor sIn = staged(in), sOut = staged(out);
                    auto sendOff = offsetsOf(sendBytes), recvOff = offsetsOf(recvBytes);
@@ -144,7 +144,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& ou
                  "input and output ", getRank(), " (this rank's own) differ in size");
   OpInfo op = makeOp(OpKind::kAlltoall, "alltoall", inputs[0], kNoReduceOp, kUnchecked);
   auto ins = inputs, outs = outputs;
-  return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL, outputs,
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL, outputs, opts.asyncOp,
                  [ins, outs, sendBytes, recvBytes](const Comm& c) {
                    std::vector<at::Tensor> sIn, sOut;
                    std::vector<const char*> sendPtrs;

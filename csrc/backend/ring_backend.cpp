@@ -84,18 +84,45 @@ OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, u
 
 c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
                                                     c10d::OpType type,
-                                                    std::vector<at::Tensor> outputs, Job run) {
+                                                    std::vector<at::Tensor> outputs, bool asyncOp,
+                                                    Job run) {
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs));
+  Entry e{std::move(op), effective(opTimeout), work, std::move(run)};
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {
-      work->fail(transportError(op.ctx.message("the process group was shut down")));
+      work->fail(transportError(e.op.ctx.message("the process group was shut down")));
       return work;
     }
-    queue_.push_back({std::move(op), effective(opTimeout), work, std::move(run)});
+    if (asyncOp || !queue_.empty() || running_) {
+      queue_.push_back(std::move(e));
+      cv_.notify_one();
+      return work;
+    }
+    running_ = true;  // keeps the worker off while this op runs here
   }
-  cv_.notify_one();
+  runEntry(e);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+  }
+  cv_.notify_all();
   return work;
+}
+
+void RingBackend::runEntry(Entry& e) {
+  e.op.timeout = e.timeout;
+  e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
+  Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_};
+  try {
+    e.run(comm);
+    e.work->complete();
+  } catch (const std::exception& err) {
+    // A rank that fails mid-op has left the protocol: abort, so its peers
+    // fail now instead of at the timeout.
+    transport_->abort(e.op.ctx.message(err.what()));
+    e.work->fail(std::current_exception());
+  }
 }
 
 void RingBackend::workerLoop() {
@@ -103,26 +130,18 @@ void RingBackend::workerLoop() {
     Entry e;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      cv_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !running_); });
       if (queue_.empty()) return;
       e = std::move(queue_.front());
       queue_.pop_front();
       running_ = true;
     }
-    e.op.timeout = e.timeout;
-    e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
-    Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_};
-    try {
-      e.run(comm);
-      e.work->complete();
-    } catch (const std::exception& err) {
-      // A rank that fails mid-op has left the protocol: abort, so its peers
-      // fail now instead of at the timeout.
-      transport_->abort(e.op.ctx.message(err.what()));
-      e.work->fail(std::current_exception());
+    runEntry(e);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = false;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    running_ = false;
+    cv_.notify_all();
   }
 }
 
@@ -141,7 +160,7 @@ std::vector<std::string> RingBackend::refusedConnections() const {
 
 c10::intrusive_ptr<c10d::Work> RingBackend::barrier(const c10d::BarrierOptions& opts) {
   OpInfo op = makeOp(OpKind::kBarrier, "barrier", at::Tensor(), kNoReduceOp, 0);
-  return enqueue(std::move(op), opts.timeout, c10d::OpType::BARRIER, {},
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::BARRIER, {}, opts.asyncOp,
                  [](const Comm& c) { barrierDissemination(c); });
 }
 

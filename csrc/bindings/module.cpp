@@ -27,6 +27,12 @@ PYBIND11_MODULE(_C, m) {
       .def("refused_connections", &ringreduce::RingBackend::refusedConnections,
            "Why each refused (unauthenticated) connection was refused");
 
+#ifdef RINGREDUCE_WITH_CUDA
+  m.attr("with_cuda") = py::bool_(true);
+#else
+  m.attr("with_cuda") = py::bool_(false);
+#endif
+
   // Sync batch-norm kernels (contracts in csrc/kernels/sync_bn.h).
   using OptT = std::optional<at::Tensor>;
   m.def("bn_stats_pack", &ringreduce::bnStatsPack, py::arg("x"));

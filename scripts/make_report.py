@@ -1,0 +1,142 @@
+"""Every benchmark and training comparison into results/, then the notebooks, in place.
+
+    python scripts/make_report.py                  # the full report (about 30 min on 2 cores)
+    python scripts/make_report.py --quick          # tiny sizes: checks the pipeline in ~2 min
+    python scripts/make_report.py --only train notebooks --train-size 0   # all of CIFAR-100
+    python scripts/make_report.py --device cuda --nproc 2                 # NCCL comparisons
+
+Steps (--only picks some):
+  bench      scripts/bench_collectives.py, 2 and 4 ranks, every collective, 4K..64M
+             -> results/bench_collectives_np{2,4}.json
+  syncbn     scripts/bench_syncbn.py -> results/bench_syncbn_<device>.json
+  study      scripts/bench_allreduce_study.py -> results/allreduce_study.json
+  train      scripts/ddp_cifar100.py under torchrun, one run per configuration below
+             -> results/train_<configuration>_np<N>.json
+  notebooks  scripts/run_notebooks.py: notebooks/*.ipynb executed in place on results/
+             (with another --results: into <results>/notebooks/, the originals untouched)
+
+Training configurations, all from the same seed on the same data. On CPU
+(nn.SyncBatchNorm refuses CPU tensors, so PyTorch's own CPU baseline is per-rank
+batch norm):
+  ours              ringreduce, our DDP, our SyncBatchNorm
+  torch-ddp         ringreduce, torch DDP, our SyncBatchNorm    (isolates the DDP wrapper)
+  torch-ddp-gloo    gloo, torch DDP, our SyncBatchNorm          (isolates the backend)
+  torch-plain-gloo  gloo, torch DDP, per-rank BatchNorm         (PyTorch as it comes)
+  ours-accum2, torch-ddp-accum2: the first two with 2 micro-batches per step
+On CUDA: ours, torch DDP + nn.SyncBatchNorm, torch DDP + ours, all on nccl.
+Data: CIFAR-100 from --data-dir when it is there, else the SYNTHETIC stand-in.
+A failing step is reported and the others still run; the exit status is 1 then.
+"""
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
+STEPS = ["bench", "syncbn", "study", "train", "notebooks"]
+CPU_RUNS = {
+    "ours": ["--backend", "ringreduce", "--ddp", "ours", "--sync-bn", "ours"],
+    "torch-ddp": ["--backend", "ringreduce", "--ddp", "torch", "--sync-bn", "ours"],
+    "torch-ddp-gloo": ["--backend", "gloo", "--ddp", "torch", "--sync-bn", "ours"],
+    "torch-plain-gloo": ["--backend", "gloo", "--ddp", "torch", "--sync-bn", "none"],
+    "ours-accum2": ["--backend", "ringreduce", "--ddp", "ours", "--sync-bn", "ours",
+                    "--grad-accum-steps", "2"],
+    "torch-ddp-accum2": ["--backend", "ringreduce", "--ddp", "torch", "--sync-bn", "ours",
+                         "--grad-accum-steps", "2"],
+}
+CUDA_RUNS = {
+    "ours-nccl": ["--backend", "nccl", "--ddp", "ours", "--sync-bn", "ours"],
+    "torch-nccl": ["--backend", "nccl", "--ddp", "torch", "--sync-bn", "torch"],
+    "torch-ddp-ours-bn-nccl": ["--backend", "nccl", "--ddp", "torch", "--sync-bn", "ours"],
+}
+
+
+def commands(args):
+    """[(step, name, argv)] in order."""
+    py, out = sys.executable, args.results
+    quick = args.quick
+    backends = ["nccl", "ringreduce", "gloo"] if args.device == "cuda" else ["ringreduce", "gloo"]
+    cmds = []
+    for n in (2,) if quick else (2, 4):
+        sweep = ["--ops", "allreduce", "allgather", "-b", "4K", "-e", "64K", "--repeats", "1",
+                 "--target-time", "0.01"] if quick else ["-b", "4K", "-e", "64M", "-f", "4"]
+        cmds.append(("bench", f"collectives np{n}", [
+            py, f"{SCRIPTS}/bench_collectives.py", "--nproc", str(n), "--backends", *backends,
+            "--device", args.device, *sweep, "--json", f"{out}/bench_collectives_np{n}.json"]))
+    tiny = ["--nproc", "2", "--hidden", "8", "32", "--batch", "4", "--warmup", "1",
+            "--iters", "2", "--repeats", "1"] if quick else []
+    cmds.append(("syncbn", "syncbn", [
+        py, f"{SCRIPTS}/bench_syncbn.py", "--device", args.device, *tiny,
+        "--json", f"{out}/bench_syncbn_{args.device}.json"]))
+    study = ["--workers", "1", "2", "--sizes", "100", "1000", "--repeats", "2"] if quick \
+        else ["--workers", *map(str, args.study_workers)]
+    cmds.append(("study", "allreduce study", [
+        py, f"{SCRIPTS}/bench_allreduce_study.py", *study,
+        "--json", f"{out}/allreduce_study.json"]))
+    for name, flags in (CUDA_RUNS if args.device == "cuda" else CPU_RUNS).items():
+        cmds.append(("train", f"train {name}", [
+            py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(args.nproc), f"{SCRIPTS}/ddp_cifar100.py", *flags, *train_flags(args),
+            "--json", f"{out}/train_{name}_np{args.nproc}.json"]))
+    # The checked-in notebooks show results/ only; elsewhere they land beside the results.
+    place = [] if out == os.path.join(ROOT, "results") else ["--output-dir", f"{out}/notebooks"]
+    cmds.append(("notebooks", "notebooks", [py, f"{SCRIPTS}/run_notebooks.py",
+                                            "--results", out, *place]))
+    return [c for c in cmds if c[0] in args.only]
+
+
+def train_flags(args):
+    flags = ["--device", args.device, "--data-dir", args.data_dir, "--no-progress"]
+    if args.quick:
+        flags += ["--train-size", "512", "--val-size", "200", "--epochs", "2", "--max-steps",
+                  "3", "--width", "8", "--batch-size", "16"]
+    else:
+        flags += ["--epochs", str(args.epochs), "--width", str(args.width)]
+        flags += ["--train-size", str(args.train_size)] if args.train_size else []
+        flags += ["--val-size", str(args.val_size)] if args.val_size else []
+    return flags + shlex.split(args.train_args)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", choices=STEPS, default=STEPS, help="steps to run")
+    p.add_argument("--quick", action="store_true", help="tiny configurations everywhere")
+    p.add_argument("--results", default=os.path.join(ROOT, "results"))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the training runs")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--width", type=int, default=16, help="model width of the training runs")
+    p.add_argument("--train-size", type=int, default=10000, help="0: the whole training set")
+    p.add_argument("--val-size", type=int, default=2000, help="0: the whole validation set")
+    p.add_argument("--data-dir", default=os.path.join(ROOT, "data"))
+    p.add_argument("--train-args", default="", help="more ddp_cifar100.py flags, one string")
+    p.add_argument("--study-workers", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="world sizes of the all-reduce study (16 and 32 are slow on few cores)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.results = os.path.abspath(args.results)
+    os.makedirs(args.results, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    failed = []
+    for step, name, argv in commands(args):
+        print(f"\n=== make_report: {name}\n$ {shlex.join(argv)}", flush=True)
+        begin = time.perf_counter()
+        code = subprocess.run(argv, cwd=ROOT, env=env).returncode
+        print(f"=== {name}: {'ok' if code == 0 else f'FAILED (exit {code})'} in "
+              f"{time.perf_counter() - begin:.0f} s", flush=True)
+        if code:
+            failed.append(name)
+    print(f"\nmake_report: results in {args.results}; "
+          + (f"FAILED: {', '.join(failed)}" if failed else "all steps ok"), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Synchronized batch norm: one fixed-size all-reduce in forward, one in backward.
+
+    bn = torch_ringreduce.SyncBatchNorm(64)              # or convert a model:
+    model = torch_ringreduce.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = torch_ringreduce.revert_sync_batchnorm(model)   # back to BatchNormNd
+
+Semantics are nn.SyncBatchNorm's, on CPU and CUDA and any backend (ringreduce,
+gloo, nccl). Training, per pass (DESIGN.md "Sync batch norm"):
+
+    forward:  bn_stats_pack -> all_reduce SUM of fp64 [3, C] -> bn_finalize -> bn_forward
+    backward: bn_backward_reduce -> all_reduce SUM of fp64 [2, C] -> bn_backward_elemt
+
+The payload does not grow with the world size; uneven and empty batches are
+exact (an empty rank still joins both all-reduces). Eval mode is plain batch
+norm with no communication, as is world size 1 or an uninitialized
+torch.distributed. The kernels are torch_ringreduce._C's where the extension has
+them for the tensor's device, else the pure-torch _syncbn_reference.
+
+Host synchronisation. None on CUDA: momentum=None reads num_batches_tracked on
+the device. On CPU, where reading a tensor costs nothing, the global count is
+read after the all-reduce to raise nn's "Expected more than 1 value per
+channel" error when the GLOBAL batch has one value per channel, and to leave
+the running stats untouched when it is empty (as nn.BatchNorm does). On CUDA
+the error is raised from shapes alone, like nn.SyncBatchNorm: when the world
+size is 1 and the local batch has one value per channel. A global count of 1
+over several ranks then gives var 0 (y = bias), and an empty global batch keeps
+the running stats through an on-device torch.where.
+"""
+import functools
+import importlib
+import os
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from torch_ringreduce import _syncbn_reference
+
+__all__ = ["SyncBatchNorm", "revert_sync_batchnorm", "kernel_source"]
+
+KERNEL_NAMES = ("bn_stats_pack", "bn_finalize", "bn_forward", "bn_backward_reduce",
+                "bn_backward_elemt")
+# Set to 1 to use the pure-torch kernels even where the compiled ones exist.
+REFERENCE_ENV = "RINGREDUCE_SYNCBN_REFERENCE"
+_BY_DIMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+# ------------------------------------------------------------------ kernels
+
+def _compiled():
+    try:
+        return importlib.import_module("torch_ringreduce._C")
+    except ImportError:
+        return None
+
+
+def _compiled_supports(ext, device_type):
+    """CPU kernels come with every build; CUDA ones only with a CUDA build."""
+    if device_type == "cpu":
+        return True
+    return device_type == "cuda" and bool(getattr(ext, "with_cuda", False))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(device_type):
+    """The five kernels for a device type: _C's where present, else the reference."""
+    ext = None if os.environ.get(REFERENCE_ENV) == "1" else _compiled()
+    use_ext = ext is not None and _compiled_supports(ext, device_type)
+    chosen = {name: getattr(ext, name) if use_ext and hasattr(ext, name)
+              else getattr(_syncbn_reference, name) for name in KERNEL_NAMES}
+    sources = {name: "_C" if chosen[name] is not getattr(_syncbn_reference, name)
+               else "reference" for name in KERNEL_NAMES}
+    return types.SimpleNamespace(sources=sources, **chosen)
+
+
+def kernel_source(device="cpu"):
+    """{kernel name: "_C" or "reference"}: which implementation runs on `device`."""
+    return dict(_kernels(torch.device(device).type).sources)
+
+
+# ------------------------------------------------------------------ helpers
+
+def _memory_format(x):
+    """channels_last(_3d) when x is laid out so (and not also plain contiguous)."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _one_value_error(x, world_size):
+    where = f" (1 value per channel over the {world_size} ranks of the group)" \
+        if world_size > 1 else ""
+    return ValueError("Expected more than 1 value per channel when training, "
+                      f"got input size {x.size()}{where}")
+
+
+def _to_stat(t, dtype):
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _all_reduce(pack, group, world_size):
+    if world_size > 1:
+        dist.all_reduce(pack, op=dist.ReduceOp.SUM, group=group)
+
+
+def _keep_when_empty(count, batch, running):
+    """batch where the global count is non-zero, else the running value (on the device)."""
+    return torch.where(count > 0, batch, running.to(batch.dtype))
+
+
+def _known_count(x, count, world_size):
+    """The global values per channel when the host knows it for free, else None."""
+    if world_size == 1:
+        return x.numel() // x.shape[1] if x.shape[1] else 0
+    if x.device.type == "cpu":
+        return int(count[0]) if count.numel() else 0
+    return None
+
+
+# ------------------------------------------------------------------ autograd
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """x, weight, bias -> y; running stats updated in place. One collective per pass."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked,
+                eps, momentum, group, world_size):
+        x = x.contiguous(memory_format=_memory_format(x))
+        k = _kernels(x.device.type)
+        sd = _syncbn_reference.stat_dtype(x)
+        pack = k.bn_stats_pack(x)
+        _all_reduce(pack, group, world_size)
+        count = pack[0]
+        mean, invstd, var_unbiased = k.bn_finalize(pack, eps, sd)
+        rm, rv = _to_stat(running_mean, sd), _to_stat(running_var, sd)
+        mean_up, var_up = mean, var_unbiased
+        total = _known_count(x, count, world_size)
+        if total == 1:
+            raise _one_value_error(x, world_size)
+        if total == 0:
+            rm = rv = None  # an empty batch leaves them untouched, as in nn.BatchNorm
+        elif total is None and rm is not None and rv is not None:
+            # Count unknown on the host (CUDA, several ranks): when it is 0 the
+            # batch is empty everywhere, so normalizing with rm changes nothing
+            # and the update becomes rm = (1-f) rm + f rm.
+            mean_up = _keep_when_empty(count, mean, rm)
+            var_up = _keep_when_empty(count, var_unbiased, rv)
+        y = k.bn_forward(x, mean_up, invstd, var_up, weight, bias, rm, rv,
+                         num_batches_tracked, momentum)
+        for buffer, updated in ((running_mean, rm), (running_var, rv)):
+            if updated is not None and updated is not buffer:
+                buffer.copy_(updated)  # the buffer is not in the stat dtype
+        ctx.save_for_backward(x, weight, mean, invstd, count)
+        ctx.group, ctx.world_size = group, world_size
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd, count = ctx.saved_tensors
+        k = _kernels(x.device.type)
+        dy = dy.contiguous(memory_format=_memory_format(x))
+        sums = k.bn_backward_reduce(dy, x, mean)
+        grad_x = grad_weight = grad_bias = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (sums[1] * invstd).to(weight.dtype)  # local: DDP reduces it
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = sums[0].to(ctx.bias_dtype, copy=True)
+        if ctx.needs_input_grad[0]:  # as nn.SyncBatchNorm: no input grad, no collective
+            _all_reduce(sums, ctx.group, ctx.world_size)
+            grad_x = k.bn_backward_elemt(dy, x, mean, invstd, weight, sums, count)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------ module
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch norm over the batches of every rank in `process_group` (default: WORLD).
+
+    Drop-in for nn.SyncBatchNorm (same arguments, parameters, buffers and
+    state_dict) that also runs on CPU; see the module docstring.
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, process_group=None, device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype)
+        self.process_group = process_group
+        self._original_class = None  # set by convert_sync_batchnorm, used by revert
+        self._last_input_dim = None
+
+    def _check_input_dim(self, input):
+        if not 2 <= input.dim() <= 5:
+            raise ValueError(f"expected 2D to 5D input (got {input.dim()}D input)")
+
+    def _check_non_zero_input_channels(self, input):
+        if input.size(1) == 0:
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
+
+    def _group(self):
+        """(group, world size); (None, 1) when torch.distributed is not initialized."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        return group, dist.get_world_size(group)
+
+    def forward(self, input):
+        self._check_input_dim(input)
+        self._check_non_zero_input_channels(input)
+        self._last_input_dim = input.dim()
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        use_buffers = not self.training or self.track_running_stats
+        running_mean = self.running_mean if use_buffers else None
+        running_var = self.running_var if use_buffers else None
+        if not (bn_training and self.training):  # eval: no communication, as nn's
+            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
+                                bn_training, 0.0, self.eps)
+        sd = _syncbn_reference.stat_dtype(input)
+        group, world_size = self._group()
+        momentum = -1.0 if self.momentum is None else float(self.momentum)
+        nbt = self.num_batches_tracked if running_mean is not None else None
+        return _SyncBatchNormFunction.apply(
+            input, _to_stat(self.weight, sd), _to_stat(self.bias, sd), running_mean,
+            running_var, nbt, self.eps, momentum, group, world_size)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module, process_group=None):
+        """Replace every BatchNorm*D / nn.SyncBatchNorm in `module` by this class.
+
+        Parameters and buffers are shared (the same objects), not copied; the
+        original class is remembered for revert_sync_batchnorm.
+        """
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group)
+            _share_state(module, converted)
+            converted._original_class = type(module)
+            return converted
+        for name, child in module.named_children():
+            new_child = cls.convert_sync_batchnorm(child, process_group)
+            if new_child is not child:
+                module.add_module(name, new_child)
+        return module
+
+
+class _BatchNormXd(_BatchNorm):
+    """Plain batch norm for any input dims: revert's target when the dims are unknown."""
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+def _share_state(source, target):
+    """Make target use source's parameters and buffers (same objects) and mode."""
+    if source.affine:
+        with torch.no_grad():
+            target.weight = source.weight
+            target.bias = source.bias
+    target.running_mean = source.running_mean
+    target.running_var = source.running_var
+    target.num_batches_tracked = source.num_batches_tracked
+    target.training = source.training
+    if hasattr(source, "qconfig"):
+        target.qconfig = source.qconfig
+
+
+def _revert_class(module):
+    original = getattr(module, "_original_class", None)
+    if original is not None and not issubclass(original, (nn.SyncBatchNorm, SyncBatchNorm)):
+        return original
+    return _BY_DIMS.get(getattr(module, "_last_input_dim", None), _BatchNormXd)
+
+
+def revert_sync_batchnorm(module):
+    """Replace every SyncBatchNorm (ours or nn's) by plain batch norm, sharing state.
+
+    The class is the one convert_sync_batchnorm replaced, else BatchNorm1d/2d/3d
+    by the dims of the last input seen, else one that accepts any dims.
+    """
+    if isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm)):
+        cls = _revert_class(module)
+        reverted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                       module.track_running_stats)
+        _share_state(module, reverted)
+        return reverted
+    for name, child in module.named_children():
+        new_child = revert_sync_batchnorm(child)
+        if new_child is not child:
+            module.add_module(name, new_child)
+    return module
