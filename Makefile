@@ -5,13 +5,13 @@ NPROC     ?= 2
 SOURCES   := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: deps build demo test bench clean
+.PHONY: deps build demo demo-collectives test bench report clean
 
 # torch: an installed 2.11+ is used as it is; otherwise the pinned CPU build.
 deps:
 	@$(PY) scripts/check_torch.py || $(PY) -m pip install -q torch==2.13.0
-	@$(PY) -c "import pytest, numpy, tqdm, ninja" 2>/dev/null || \
-		$(PY) -m pip install -q pytest numpy tqdm ninja
+	@$(PY) -c "import pytest, numpy, tqdm, ninja, nbformat, nbclient, ipykernel, matplotlib" \
+		2>/dev/null || $(PY) -m pip install -q pytest numpy tqdm ninja nbformat nbclient ipykernel matplotlib
 
 # Builds the extension in place (ninja keeps build/ so rebuilds are
 # incremental), then installs the package in editable mode without compiling
@@ -25,8 +25,16 @@ build: deps .build-stamp
 	@$(PY) scripts/check_install.py || \
 		RINGREDUCE_METADATA_ONLY=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
+# A short 2-process CIFAR-100-shaped training run on ringreduce (synthetic
+# data unless data/cifar-100-python exists), our DDP and SyncBatchNorm.
 demo: build
-	$(PY) -m torch.distributed.run --nproc_per_node 2 scripts/demo.py
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 scripts/ddp_cifar100.py \
+		--synthetic --train-size 6144 --val-size 1000 --epochs 2 --width 8 --batch-size 32 \
+		--ddp ours --sync-bn ours --json results/demo_train.json
+
+# Every collective once on 2 ranks, checked, as a table.
+demo-collectives: build
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 scripts/demo.py
 
 test: build
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
@@ -34,6 +42,11 @@ test: build
 bench: build
 	$(PY) scripts/bench_collectives.py --nproc 2 --backends ringreduce gloo -b 4K -e 64M -f 4
 	$(PY) scripts/bench_collectives.py --nproc 4 --backends ringreduce gloo -b 4K -e 64M -f 4
+
+# Full benchmarks and training comparisons into results/, then the notebooks
+# executed in place (about 30 minutes on 2 cores).
+report: build
+	$(PY) scripts/make_report.py
 
 clean:
 	rm -rf build *.egg-info torch_ringreduce/_C*.so .build-stamp

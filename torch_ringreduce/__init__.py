@@ -3,24 +3,34 @@
     import torch_ringreduce  # optional: `import torch` already registers it
     dist.init_process_group(backend="ringreduce")
     bn = torch_ringreduce.SyncBatchNorm(64)   # one all-reduce per pass, CPU and CUDA
+    model = torch_ringreduce.DistributedDataParallel(model)   # bucketed, overlapped
+    torch_ringreduce.reference.ring_allreduce_(t)              # the textbook algorithms
 """
+import importlib
+
 from torch_ringreduce._registration import BACKEND_NAME, register
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "register", "__version__", "SyncBatchNorm", "revert_sync_batchnorm"]
-_SYNC_BN = ("SyncBatchNorm", "revert_sync_batchnorm")
+__all__ = ["BACKEND_NAME", "register", "__version__", "SyncBatchNorm", "revert_sync_batchnorm",
+           "DistributedDataParallel", "parallel", "reference"]
+
+# Loaded on first use, not at import (keeps `import torch` cheap through the
+# entry point): name -> (module, attribute or None for the module itself).
+_LAZY = {
+    "_C": ("torch_ringreduce._C", None),
+    "SyncBatchNorm": ("torch_ringreduce.sync_batchnorm", "SyncBatchNorm"),
+    "revert_sync_batchnorm": ("torch_ringreduce.sync_batchnorm", "revert_sync_batchnorm"),
+    "DistributedDataParallel": ("torch_ringreduce.parallel", "DistributedDataParallel"),
+    "parallel": ("torch_ringreduce.parallel", None),
+    "reference": ("torch_ringreduce.reference", None),
+}
 
 register()
 
 
 def __getattr__(name):
-    # The compiled extension loads on first use, not at import.
-    if name == "_C":
-        import importlib
-
-        return importlib.import_module("torch_ringreduce._C")
-    if name in _SYNC_BN:  # torch.nn is loaded only when asked for
-        from torch_ringreduce import sync_batchnorm
-
-        return getattr(sync_batchnorm, name)
-    raise AttributeError(f"module 'torch_ringreduce' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'torch_ringreduce' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)

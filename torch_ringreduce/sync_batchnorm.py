@@ -137,7 +137,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sd = _syncbn_reference.stat_dtype(x)
         pack = k.bn_stats_pack(x)
         _all_reduce(pack, group, world_size)
-        count = pack[0]
+        count = pack[0].clone()  # a view would keep the whole [3, C] pack alive
         mean, invstd, var_unbiased = k.bn_finalize(pack, eps, sd)
         rm, rv = _to_stat(running_mean, sd), _to_stat(running_var, sd)
         mean_up, var_up = mean, var_unbiased
