@@ -15,6 +15,12 @@ BnLayout bnLayoutOf(const at::Tensor& x, at::Tensor* holder) {
   return {n, c, spatial, c * spatial, spatial};
 }
 
+at::Tensor bnGradLike(const at::Tensor& dy, const at::Tensor& x, const char* kernel) {
+  TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "[ringreduce] ", kernel, ": dy ", dy.sizes(),
+                    " does not match x ", x.sizes());
+  return dy.contiguous(x.suggest_memory_format());
+}
+
 namespace {
 
 // True when x is a CUDA tensor of a CUDA build; throws for a CUDA tensor of a

@@ -216,10 +216,7 @@ at::Tensor bnForward(const at::Tensor& input, const at::Tensor& mean, const at::
 at::Tensor bnBackwardReduce(const at::Tensor& dyIn, const at::Tensor& xIn, const at::Tensor& mean) {
   at::Tensor x;
   const Layout l = bnLayoutOf(xIn, &x);
-  // dy in x's memory order, so one index addresses both.
-  at::Tensor dy = dyIn.contiguous(x.suggest_memory_format());
-  TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "[ringreduce] bn_backward_reduce: dy ", dyIn.sizes(),
-                    " does not match x ", xIn.sizes());
+  at::Tensor dy = bnGradLike(dyIn, x, "bn_backward_reduce");
   const int64_t C = l.channels;
   checkStat(mean, C, "mean");
   at::Tensor sums = at::zeros({2, C}, x.options().dtype(at::kDouble));
@@ -253,9 +250,7 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& xIn, const 
                            const at::Tensor& sumsIn, const at::Tensor& countIn) {
   at::Tensor x;
   const Layout l = bnLayoutOf(xIn, &x);
-  at::Tensor dy = dyIn.contiguous(x.suggest_memory_format());
-  TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "[ringreduce] bn_backward_elemt: dy ", dyIn.sizes(),
-                    " does not match x ", xIn.sizes());
+  at::Tensor dy = bnGradLike(dyIn, x, "bn_backward_elemt");
   const int64_t C = l.channels;
   at::Tensor sums = sumsIn.to(at::kDouble).contiguous();
   TORCH_CHECK_VALUE(sums.dim() == 2 && sums.size(0) == 2 && sums.size(1) == C,

@@ -11,6 +11,10 @@ namespace ringreduce {
 // x is neither contiguous nor channels_last. Checks x is 2D-5D.
 BnLayout bnLayoutOf(const at::Tensor& x, at::Tensor* holder);
 
+// dy in the memory order of x (the tensor bnLayoutOf returned), so one offset
+// addresses both; checks dy has x's shape.
+at::Tensor bnGradLike(const at::Tensor& dy, const at::Tensor& x, const char* kernel);
+
 #define RR_SYNC_BN_DECLARATIONS                                                                   \
   at::Tensor bnStatsPack(const at::Tensor& x);                                                  \
   std::tuple<at::Tensor, at::Tensor, at::Tensor> bnFinalize(const at::Tensor& pack, double eps, \

@@ -93,7 +93,7 @@ at::Tensor bnBackwardReduce(const at::Tensor& dyIn, const at::Tensor& input, con
   c10::cuda::CUDAGuard guard(input.device());
   at::Tensor x;
   BnLayout l = bnLayoutOf(input, &x);
-  at::Tensor dy = dyIn.contiguous(x.suggest_memory_format());
+  at::Tensor dy = bnGradLike(dyIn, x, __func__);
   at::Tensor sums = at::zeros({2, l.channels}, input.options().dtype(at::kDouble));
   if (l.numel() > 0) {
     check(backwardReduce(dy.const_data_ptr(), x.const_data_ptr(), dtypeOf(x), l, mean.const_data_ptr(),
@@ -109,7 +109,7 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& input, cons
   c10::cuda::CUDAGuard guard(input.device());
   at::Tensor x;
   BnLayout l = bnLayoutOf(input, &x);
-  at::Tensor dy = dyIn.contiguous(x.suggest_memory_format());
+  at::Tensor dy = bnGradLike(dyIn, x, __func__);
   at::Tensor sums = sumsIn.to(at::kDouble).contiguous();
   at::Tensor count = countIn.to(at::kDouble).contiguous();
   at::Tensor dx = at::empty_like(x);
