@@ -13,6 +13,11 @@ constexpr const char* kEnvIfname = "RINGREDUCE_SOCKET_IFNAME";
 constexpr const char* kEnvAddr = "RINGREDUCE_SOCKET_ADDR";
 // RINGREDUCE_SEGMENT_BYTES: largest message of a ring step (pipelining unit).
 constexpr const char* kEnvSegmentBytes = "RINGREDUCE_SEGMENT_BYTES";
+// RINGREDUCE_SPIN_US: microseconds a rank busy-polls before sleeping while it
+// waits for a peer (default kDefaultSpinUs when the world size is at most the
+// number of cores here, else 0).
+constexpr const char* kEnvSpinUs = "RINGREDUCE_SPIN_US";
+constexpr int64_t kDefaultSpinUs = 50;
 // RINGREDUCE_DEBUG=1: log connection set-up and aborts to stderr.
 constexpr const char* kEnvDebug = "RINGREDUCE_DEBUG";
 

@@ -95,6 +95,8 @@ TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int 
     : store_(std::move(store)), rank_(rank), size_(size) {
   for (auto& channel : fds_) channel.assign(size, -1);
   peerAddr_.assign(size, "");
+  const bool coresToSpare = static_cast<unsigned>(size) <= std::thread::hardware_concurrency();
+  spinUs_ = envInt(kEnvSpinUs, coresToSpare ? kDefaultSpinUs : 0);
   if (size > 1) {
     connectMesh(timeout);
   }

@@ -140,6 +140,20 @@ TcpTransport::~TcpTransport() {
   close();
 }
 
+// Busy-polls for up to spinUs_ before sleeping in poll(): a sleeping rank
+// pays the scheduler's wake-up latency on every small message. Spinning is
+// off when the group has more ranks than this machine has cores.
+int TcpTransport::pollWithSpin(std::vector<pollfd>& pfds, int timeoutMs) {
+  if (spinUs_ > 0) {
+    const auto until = Clock::now() + std::chrono::microseconds(spinUs_);
+    do {
+      int ready = poll(pfds.data(), pfds.size(), 0);
+      if (ready != 0) return ready;
+    } while (Clock::now() < until);
+  }
+  return poll(pfds.data(), pfds.size(), timeoutMs);
+}
+
 void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
                             std::vector<RecvSpec>& recvs) {
   if (aborted_) {
@@ -174,7 +188,7 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
       return;
     }
     int ms = millisUntil(op.deadline);
-    int ready = ms == 0 ? 0 : poll(pfds.data(), pfds.size(), ms);
+    int ready = ms == 0 ? 0 : pollWithSpin(pfds, ms);
     if (aborted_) {
       throwTransportError(unusable(op, abortReason()));
     }

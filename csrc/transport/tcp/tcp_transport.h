@@ -6,6 +6,8 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <poll.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <memory>
@@ -59,6 +61,8 @@ class TcpTransport : public Transport {
   std::string checkHello(const Hello& hello) const;
   void logRefusal(const std::string& from, const std::string& why) const;
 
+  int pollWithSpin(std::vector<pollfd>& pfds, int timeoutMs);
+
   // tcp_transport.cpp: failure paths.
   [[noreturn]] void fail(const OpInfo& op, int peer, const std::string& what);
   std::string groupCause() const;
@@ -79,6 +83,7 @@ class TcpTransport : public Transport {
   std::thread acceptThread_;
   std::unique_ptr<P2PEngine> p2p_;
 
+  int64_t spinUs_ = 0;  // busy-poll budget before sleeping (RINGREDUCE_SPIN_US)
   std::atomic<bool> aborted_{false};
   std::atomic<bool> closed_{false};
   std::string abortReason_;  // guarded by mu_
