@@ -200,13 +200,30 @@ def run_cases_count_unknown(ctx, cases):
     """Remote: run_cases as on CUDA, where the host never reads the global count."""
     from torch_ringreduce import sync_batchnorm
 
-    known = sync_batchnorm._known_count
-    sync_batchnorm._known_count = lambda x, count, world_size: \
-        known(x, count, world_size) if world_size == 1 else None
+    reads = sync_batchnorm._reads_count_on_host
+    sync_batchnorm._reads_count_on_host = lambda x: False
     try:
         return run_cases(ctx, cases)
     finally:
-        sync_batchnorm._known_count = known
+        sync_batchnorm._reads_count_on_host = reads
+
+
+def run_cases_python_function(ctx, cases, reference):
+    """Remote: run_cases through the Python autograd.Function (the path of a device
+    the fused C++ op does not cover), on the compiled or the reference kernels."""
+    import types
+
+    from torch_ringreduce import _syncbn_reference, sync_batchnorm
+
+    kernels = sync_batchnorm._kernels
+    compiled = kernels("cpu")
+    names = sync_batchnorm.KERNEL_NAMES
+    chosen = {n: getattr(_syncbn_reference if reference else compiled, n) for n in names}
+    sync_batchnorm._kernels = lambda device_type: types.SimpleNamespace(fused=None, **chosen)
+    try:
+        return run_cases(ctx, cases)
+    finally:
+        sync_batchnorm._kernels = kernels
 
 
 def run_subgroups(ctx, cases):

@@ -16,7 +16,8 @@ from torch import nn
 
 import torch_ringreduce
 from _syncbn_cases import (Case, compare, compare_kernels, even_sizes, make_batch, numerics,
-                           one_value_error, run_cases, run_cases_count_unknown, run_subgroups)
+                           one_value_error, run_cases, run_cases_count_unknown,
+                           run_cases_python_function, run_subgroups)
 from torch_ringreduce import _syncbn_reference as ref_kernels
 from torch_ringreduce.sync_batchnorm import SyncBatchNorm, kernel_source, revert_sync_batchnorm
 
@@ -106,6 +107,15 @@ def test_host_sync_free_path(worlds):
     results = _merge(worlds.run(4, run_cases_count_unknown, cases))
     for case, result in zip(cases, results):
         _assert_case(result, case, TOL[case.dtype], 4)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["compiled", "reference"])
+def test_python_function_path(worlds, reference):
+    """The Python autograd.Function (used where the fused C++ op is not built for the
+    device), on the compiled and on the pure-torch kernels: the same sweep."""
+    results = _merge(worlds.run(4, run_cases_python_function, SWEEP, reference))
+    for case, result in zip(SWEEP, results):
+        _assert_case(result, case, TOL[case.dtype], 4, "python function")
 
 
 def test_one_collective_per_pass(worlds):

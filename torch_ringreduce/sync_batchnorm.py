@@ -43,6 +43,7 @@ __all__ = ["SyncBatchNorm", "revert_sync_batchnorm", "kernel_source"]
 
 KERNEL_NAMES = ("bn_stats_pack", "bn_finalize", "bn_forward", "bn_backward_reduce",
                 "bn_backward_elemt")
+FUSED_NAME = "sync_batch_norm_train"
 # Set to 1 to use the pure-torch kernels even where the compiled ones exist.
 REFERENCE_ENV = "RINGREDUCE_SYNCBN_REFERENCE"
 _BY_DIMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -73,7 +74,10 @@ def _kernels(device_type):
               else getattr(_syncbn_reference, name) for name in KERNEL_NAMES}
     sources = {name: "_C" if chosen[name] is not getattr(_syncbn_reference, name)
                else "reference" for name in KERNEL_NAMES}
-    return types.SimpleNamespace(sources=sources, **chosen)
+    # The whole training pass as one C++ autograd function, when _C has it.
+    fused = getattr(ext, FUSED_NAME, None) if use_ext else None
+    sources[FUSED_NAME] = "_C" if fused is not None else "reference"
+    return types.SimpleNamespace(sources=sources, fused=fused, **chosen)
 
 
 def kernel_source(device="cpu"):
@@ -115,11 +119,16 @@ def _keep_when_empty(count, batch, running):
     return torch.where(count > 0, batch, running.to(batch.dtype))
 
 
+def _reads_count_on_host(x):
+    """Whether the global count may be read on the host: free on CPU, a sync on CUDA."""
+    return x.device.type == "cpu"
+
+
 def _known_count(x, count, world_size):
     """The global values per channel when the host knows it for free, else None."""
     if world_size == 1:
         return x.numel() // x.shape[1] if x.shape[1] else 0
-    if x.device.type == "cpu":
+    if _reads_count_on_host(x):
         return int(count[0]) if count.numel() else 0
     return None
 
@@ -215,7 +224,8 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input):
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
-        self._last_input_dim = input.dim()
+        if self._last_input_dim != input.dim():  # nn.Module.__setattr__ is slow
+            self._last_input_dim = input.dim()
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
@@ -229,9 +239,14 @@ class SyncBatchNorm(_BatchNorm):
         group, world_size = self._group()
         momentum = -1.0 if self.momentum is None else float(self.momentum)
         nbt = self.num_batches_tracked if running_mean is not None else None
-        return _SyncBatchNormFunction.apply(
-            input, _to_stat(self.weight, sd), _to_stat(self.bias, sd), running_mean,
-            running_var, nbt, self.eps, momentum, group, world_size)
+        weight, bias = _to_stat(self.weight, sd), _to_stat(self.bias, sd)
+        fused = _kernels(input.device.type).fused
+        if fused is not None:
+            return fused(input, weight, bias, running_mean, running_var, nbt, self.eps,
+                         momentum, group if world_size > 1 else None,
+                         _reads_count_on_host(input))
+        return _SyncBatchNormFunction.apply(input, weight, bias, running_mean, running_var,
+                                            nbt, self.eps, momentum, group, world_size)
 
     @classmethod
     def convert_sync_batchnorm(cls, module, process_group=None):

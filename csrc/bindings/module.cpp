@@ -6,6 +6,7 @@
 #include "algorithms/segments.h"
 #include "backend/ring_backend.h"
 #include "kernels/sync_bn.h"
+#include "ops/sync_batch_norm.h"
 
 namespace py = pybind11;
 
@@ -49,6 +50,22 @@ PYBIND11_MODULE(_C, m) {
         py::arg("mean"));
   m.def("bn_backward_elemt", &ringreduce::bnBackwardElemt, py::arg("dy"), py::arg("x"),
         py::arg("mean"), py::arg("invstd"), py::arg("weight"), py::arg("sums"), py::arg("count"));
+
+  // The fused op: kernels + one all-reduce per pass (contract in csrc/ops/sync_batch_norm.h).
+  m.def("sync_batch_norm_train",
+        [](const at::Tensor& x, const OptT& weight, const OptT& bias, const OptT& runningMean,
+           const OptT& runningVar, const OptT& numBatchesTracked, double eps, double momentum,
+           const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& group,
+           std::optional<bool> hostCount) {
+          return ringreduce::syncBatchNormTrain(x, weight, bias, runningMean, runningVar,
+                                                numBatchesTracked, eps, momentum,
+                                                group.value_or(nullptr),
+                                                hostCount.value_or(x.is_cpu()));
+        },
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("running_mean"),
+        py::arg("running_var"), py::arg("num_batches_tracked"), py::arg("eps"),
+        py::arg("momentum"), py::arg("group") = py::none(), py::arg("host_count") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
 
   // Pure ring arithmetic, exposed for unit tests.
   m.def("_even_block", [](size_t count, int parts, int i) {

@@ -1,4 +1,5 @@
 // Routes the sync batch-norm kernels by device (contracts in sync_bn.h).
+#include "common/env.h"
 #include "kernels/sync_bn_impl.h"
 
 namespace ringreduce {
@@ -39,15 +40,26 @@ bool onCuda(const at::Tensor& x, const char* kernel) {
   return false;
 }
 
+#ifdef RINGREDUCE_CPU_AVX2
+// RINGREDUCE_CPU_AVX2=0 keeps the baseline build of the CPU kernels.
+bool useAvx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && envInt("RINGREDUCE_CPU_AVX2", 1) != 0;
+  return yes;
+}
+#define RR_CPU(name, ...) (useAvx2() ? cpu_avx2::name(__VA_ARGS__) : cpu::name(__VA_ARGS__))
+#else
+#define RR_CPU(name, ...) cpu::name(__VA_ARGS__)
+#endif
+
 }  // namespace
 
 #ifdef RINGREDUCE_WITH_CUDA
 #define RR_ROUTE(x, name, ...) \
-  return onCuda(x, #name) ? cuda::name(__VA_ARGS__) : cpu::name(__VA_ARGS__)
+  return onCuda(x, #name) ? cuda::name(__VA_ARGS__) : RR_CPU(name, __VA_ARGS__)
 #else
 #define RR_ROUTE(x, name, ...) \
   onCuda(x, #name);            \
-  return cpu::name(__VA_ARGS__)
+  return RR_CPU(name, __VA_ARGS__)
 #endif
 
 at::Tensor bnStatsPack(const at::Tensor& x) {
@@ -80,5 +92,6 @@ at::Tensor bnBackwardElemt(const at::Tensor& dy, const at::Tensor& x, const at::
 }
 
 #undef RR_ROUTE
+#undef RR_CPU
 
 }  // namespace ringreduce

@@ -15,8 +15,13 @@
 #include <cmath>
 #include <vector>
 
+// sync_bn_cpu_avx2.cpp compiles this file again as namespace cpu_avx2.
+#ifndef RR_CPU_KERNELS
+#define RR_CPU_KERNELS cpu
+#endif
+
 namespace ringreduce {
-namespace cpu {
+namespace RR_CPU_KERNELS {
 namespace {
 
 using Layout = BnLayout;
@@ -39,40 +44,42 @@ int64_t forChunks(const Layout& l, F body) {
   return chunks;
 }
 
-// acc[c] += f(c, value) over rows [r0, r1) of one chunk, unit-stride innermost.
-template <typename T, typename F>
-void accumulateRows(const T* x, const Layout& l, int64_t r0, int64_t r1, double* acc, F f) {
+// Calls run(offset, len, c) for every unit-stride run of rows [r0, r1): with
+// channels adjacent (inner == 1) one run per row, where the element at position
+// i has channel i (c = -1); otherwise one run of `inner` elements per (row,
+// channel), all of channel c. Kernels write both cases as plain loops over
+// __restrict pointers, which the compiler vectorises.
+template <typename F>
+void forRuns(const Layout& l, int64_t r0, int64_t r1, F run) {
   for (int64_t r = r0; r < r1; ++r) {
-    const T* row = x + r * l.outerStride;
+    const int64_t base = r * l.outerStride;
     if (l.inner == 1) {
-      for (int64_t c = 0; c < l.channels; ++c) acc[c] += f(c, static_cast<double>(row[c]), r * l.outerStride + c);
+      run(base, l.channels, int64_t{-1});
     } else {
-      for (int64_t c = 0; c < l.channels; ++c) {
-        const T* p = row + c * l.channelStride;
-        double s = 0;
-        for (int64_t i = 0; i < l.inner; ++i) s += f(c, static_cast<double>(p[i]), r * l.outerStride + c * l.channelStride + i);
-        acc[c] += s;
-      }
+      for (int64_t c = 0; c < l.channels; ++c) run(base + c * l.channelStride, l.inner, c);
     }
   }
 }
 
-// out[i] = f(c, i) over every element, in parallel, unit-stride innermost.
+// Every run of the tensor, chunks in parallel.
 template <typename F>
-void forEachElement(const Layout& l, F f) {
-  forChunks(l, [&](int64_t r0, int64_t r1, int64_t) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t base = r * l.outerStride;
-      if (l.inner == 1) {
-        for (int64_t c = 0; c < l.channels; ++c) f(c, base + c);
-      } else {
-        for (int64_t c = 0; c < l.channels; ++c) {
-          const int64_t start = base + c * l.channelStride;
-          for (int64_t i = 0; i < l.inner; ++i) f(c, start + i);
-        }
-      }
-    }
-  });
+void forEachRun(const Layout& l, F run) {
+  forChunks(l, [&](int64_t r0, int64_t r1, int64_t) { forRuns(l, r0, r1, run); });
+}
+
+// Sums over one run in float64 with 4 independent accumulators (a fixed order:
+// the result does not depend on threads), so the adds pipeline.
+constexpr int kLanes = 4;
+
+template <typename T, typename F>
+double sumRun(const T* __restrict p, int64_t len, F term) {
+  double acc[kLanes] = {0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) acc[j] += term(static_cast<double>(p[i + j]), i + j);
+  }
+  for (; i < len; ++i) acc[0] += term(static_cast<double>(p[i]), i);
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
 void checkStat(const at::Tensor& t, int64_t c, const char* name) {
@@ -99,11 +106,29 @@ at::Tensor bnStatsPack(const at::Tensor& input) {
       const double n = static_cast<double>((r1 - r0) * l.inner);
       count[k] = n;
       // Two passes over a cache-sized chunk: mean, then centred squares.
-      accumulateRows(data, l, r0, r1, mu, [](int64_t, double v, int64_t) { return v; });
+      forRuns(l, r0, r1, [&](int64_t off, int64_t len, int64_t c) {
+        const scalar_t* __restrict in = data + off;
+        if (c >= 0) {
+          mu[c] += sumRun(in, len, [](double v, int64_t) { return v; });
+          return;
+        }
+        double* __restrict acc = mu;
+        for (int64_t i = 0; i < len; ++i) acc[i] += static_cast<double>(in[i]);
+      });
       for (int64_t c = 0; c < C; ++c) mu[c] /= n;
-      accumulateRows(data, l, r0, r1, sq, [mu](int64_t c, double v, int64_t) {
-        double d = v - mu[c];
-        return d * d;
+      forRuns(l, r0, r1, [&](int64_t off, int64_t len, int64_t c) {
+        const scalar_t* __restrict in = data + off;
+        if (c >= 0) {
+          const double m = mu[c];
+          sq[c] += sumRun(in, len, [m](double v, int64_t) { return (v - m) * (v - m); });
+          return;
+        }
+        double* __restrict acc = sq;
+        const double* __restrict m = mu;
+        for (int64_t i = 0; i < len; ++i) {
+          const double d = static_cast<double>(in[i]) - m[i];
+          acc[i] += d * d;
+        }
       });
     });
   });
@@ -138,13 +163,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bnFinalize(const at::Tensor& pack
   AT_DISPATCH_FLOATING_TYPES(statDtype, "bn_finalize", [&] {
     const double* P = p.const_data_ptr<double>();
     scalar_t *m = mean.data_ptr<scalar_t>(), *r = invstd.data_ptr<scalar_t>(), *v = var.data_ptr<scalar_t>();
+    // Branch-free (selects only) so it vectorises; an empty channel has
+    // P1 = P2 = 0, so dividing by 1 instead of n gives mean 0 and var 0.
     for (int64_t c = 0; c < C; ++c) {
-      const double n = P[c];
-      const double mu = n > 0 ? P[C + c] / n : 0.0;
-      const double biased = n > 0 ? std::max((P[2 * C + c] - P[C + c] * mu) / n, 0.0) : 0.0;
+      const double n = P[c], div = n > 0 ? n : 1.0;
+      const double mu = P[C + c] / div;
+      const double biased = std::max((P[2 * C + c] - P[C + c] * mu) / div, 0.0);
       m[c] = static_cast<scalar_t>(mu);
       r[c] = static_cast<scalar_t>(1.0 / std::sqrt(biased + eps));
-      v[c] = static_cast<scalar_t>(n > 1 ? biased * n / (n - 1) : biased);
+      v[c] = static_cast<scalar_t>(biased * (n > 1 ? n : 1.0) / (n > 1 ? n - 1 : 1.0));
     }
   });
   return {mean, invstd, var};
@@ -152,16 +179,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bnFinalize(const at::Tensor& pack
 
 namespace {
 
-// The per-channel vector as float64 (weight/bias default to 1/0).
+// The per-channel vector as float64 (weight/bias default to 1/0). Read in
+// place (no tensor is allocated: at SyncBN's sizes allocations cost more than
+// the arithmetic) unless it is not a CPU floating-point tensor.
 std::vector<double> perChannel(const std::optional<at::Tensor>& t, int64_t C, double fallback,
                                const char* name) {
   std::vector<double> out(C, fallback);
   if (!t.has_value() || !t->defined()) return out;
   checkStat(*t, C, name);
-  at::Tensor d = t->to(at::kDouble);
-  const double* p = d.const_data_ptr<double>();
-  std::copy(p, p + C, out.begin());
+  const at::Tensor d = t->is_cpu() ? *t : t->to(at::kCPU);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, d.scalar_type(), "bn_per_channel", [&] {
+    const scalar_t* p = d.const_data_ptr<scalar_t>();
+    for (int64_t c = 0; c < C; ++c) out[c] = static_cast<double>(p[c]);
+  });
   return out;
+}
+
+// stat = (1 - f) stat + f value, in place, element by element.
+void blendInto(const at::Tensor& stat, const at::Tensor& value, double f, const char* name) {
+  checkStat(stat, value.size(0), name);
+  const at::Tensor v = value.to(stat.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, stat.scalar_type(), "bn_running_stats", [&] {
+    scalar_t* s = stat.data_ptr<scalar_t>();
+    const scalar_t* p = v.const_data_ptr<scalar_t>();
+    for (int64_t c = 0; c < stat.size(0); ++c) {
+      s[c] = static_cast<scalar_t>((1 - f) * static_cast<double>(s[c]) + f * static_cast<double>(p[c]));
+    }
+  });
 }
 
 void updateRunningStats(const at::Tensor& mean, const at::Tensor& var, const at::Tensor& rm,
@@ -173,8 +217,8 @@ void updateRunningStats(const at::Tensor& mean, const at::Tensor& var, const at:
                       "(cumulative average) needs num_batches_tracked");
     f = 1.0 / nbt->item<double>();  // a CPU scalar: no device sync involved
   }
-  rm.mul_(1 - f).add_(mean.to(rm.scalar_type()), f);
-  if (rv.has_value() && rv->defined()) rv->mul_(1 - f).add_(var.to(rv->scalar_type()), f);
+  blendInto(rm, mean, f, "running_mean");
+  if (rv.has_value() && rv->defined()) blendInto(*rv, var, f, "running_var");
 }
 
 }  // namespace
@@ -203,8 +247,20 @@ at::Tensor bnForward(const at::Tensor& input, const at::Tensor& mean, const at::
     std::vector<opmath> m(mu.begin(), mu.end()), k(scale.begin(), scale.end()), s(shift.begin(), shift.end());
     const scalar_t* in = x.const_data_ptr<scalar_t>();
     scalar_t* out = y.data_ptr<scalar_t>();
-    forEachElement(l, [&](int64_t c, int64_t i) {
-      out[i] = static_cast<scalar_t>((static_cast<opmath>(in[i]) - m[c]) * k[c] + s[c]);
+    forEachRun(l, [&](int64_t off, int64_t len, int64_t c) {
+      const scalar_t* __restrict src = in + off;
+      scalar_t* __restrict dst = out + off;
+      if (c >= 0) {
+        const opmath mc = m[c], kc = k[c], sc = s[c];
+        for (int64_t i = 0; i < len; ++i) {
+          dst[i] = static_cast<scalar_t>((static_cast<opmath>(src[i]) - mc) * kc + sc);
+        }
+        return;
+      }
+      const opmath *__restrict mp = m.data(), *__restrict kp = k.data(), *__restrict sp = s.data();
+      for (int64_t i = 0; i < len; ++i) {
+        dst[i] = static_cast<scalar_t>((static_cast<opmath>(src[i]) - mp[i]) * kp[i] + sp[i]);
+      }
     });
   });
   if (runningMean.has_value() && runningMean->defined()) {
@@ -229,9 +285,24 @@ at::Tensor bnBackwardReduce(const at::Tensor& dyIn, const at::Tensor& xIn, const
     const scalar_t* g = dy.const_data_ptr<scalar_t>();
     const scalar_t* in = x.const_data_ptr<scalar_t>();
     forChunks(l, [&](int64_t r0, int64_t r1, int64_t k) {
-      accumulateRows(g, l, r0, r1, &a[k * C], [](int64_t, double v, int64_t) { return v; });
-      accumulateRows(g, l, r0, r1, &bsum[k * C], [&](int64_t c, double v, int64_t i) {
-        return v * (static_cast<double>(in[i]) - mu[c]);
+      forRuns(l, r0, r1, [&](int64_t off, int64_t len, int64_t c) {
+        const scalar_t* __restrict gp = g + off;
+        const scalar_t* __restrict xp = in + off;
+        if (c >= 0) {
+          const double m = mu[c];
+          a[k * C + c] += sumRun(gp, len, [](double v, int64_t) { return v; });
+          bsum[k * C + c] += sumRun(gp, len, [xp, m](double v, int64_t i) {
+            return v * (static_cast<double>(xp[i]) - m);
+          });
+          return;
+        }
+        double *__restrict sa = &a[k * C], *__restrict sb = &bsum[k * C];
+        const double* __restrict m = mu.data();
+        for (int64_t i = 0; i < len; ++i) {
+          const double v = static_cast<double>(gp[i]);
+          sa[i] += v;
+          sb[i] += v * (static_cast<double>(xp[i]) - m[i]);
+        }
       });
     });
   });
@@ -255,11 +326,14 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& xIn, const 
   at::Tensor sums = sumsIn.to(at::kDouble).contiguous();
   TORCH_CHECK_VALUE(sums.dim() == 2 && sums.size(0) == 2 && sums.size(1) == C,
                     "[ringreduce] bn_backward_elemt: sums must be [2, ", C, "], got ", sums.sizes());
-  at::Tensor count = countIn.to(at::kDouble).expand({C}).contiguous();
+  TORCH_CHECK_VALUE(countIn.numel() == 1 || countIn.numel() == C, "[ringreduce] ",
+                    "bn_backward_elemt: count must have 1 or ", C, " values, got ", countIn.sizes());
+  std::vector<double> N = countIn.numel() == C
+                              ? perChannel(countIn.reshape({C}), C, 0.0, "count")
+                              : std::vector<double>(C, countIn.item<double>());
   auto w = perChannel(weight, C, 1.0, "weight"), mu = perChannel(mean, C, 0.0, "mean");
   auto r = perChannel(invstd, C, 1.0, "invstd");
   const double* S = sums.const_data_ptr<double>();
-  const double* N = count.const_data_ptr<double>();
   std::vector<double> k1(C), a(C), k2(C);
   for (int64_t c = 0; c < C; ++c) {
     const bool any = N[c] > 0;
@@ -275,13 +349,27 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& xIn, const 
     const scalar_t* g = dy.const_data_ptr<scalar_t>();
     const scalar_t* in = x.const_data_ptr<scalar_t>();
     scalar_t* out = dx.data_ptr<scalar_t>();
-    forEachElement(l, [&](int64_t c, int64_t i) {
-      const opmath xm = static_cast<opmath>(in[i]) - M[c];
-      out[i] = static_cast<scalar_t>(K1[c] * (static_cast<opmath>(g[i]) - A[c] - xm * K2[c]));
+    forEachRun(l, [&](int64_t off, int64_t len, int64_t c) {
+      const scalar_t *__restrict gp = g + off, *__restrict xp = in + off;
+      scalar_t* __restrict dst = out + off;
+      if (c >= 0) {
+        const opmath k1 = K1[c], ac = A[c], k2 = K2[c], mc = M[c];
+        for (int64_t i = 0; i < len; ++i) {
+          const opmath xm = static_cast<opmath>(xp[i]) - mc;
+          dst[i] = static_cast<scalar_t>(k1 * (static_cast<opmath>(gp[i]) - ac - xm * k2));
+        }
+        return;
+      }
+      const opmath *__restrict k1 = K1.data(), *__restrict ac = A.data(), *__restrict k2 = K2.data(),
+                   *__restrict mc = M.data();
+      for (int64_t i = 0; i < len; ++i) {
+        const opmath xm = static_cast<opmath>(xp[i]) - mc[i];
+        dst[i] = static_cast<scalar_t>(k1[i] * (static_cast<opmath>(gp[i]) - ac[i] - xm * k2[i]));
+      }
     });
   });
   return dx;
 }
 
-}  // namespace cpu
+}  // namespace RR_CPU_KERNELS
 }  // namespace ringreduce

@@ -35,6 +35,14 @@ namespace cpu {
 RR_SYNC_BN_DECLARATIONS
 }  // namespace cpu
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+#define RINGREDUCE_CPU_AVX2 1
+// The same CPU kernels built for AVX2 (sync_bn_cpu_avx2.cpp).
+namespace cpu_avx2 {
+RR_SYNC_BN_DECLARATIONS
+}  // namespace cpu_avx2
+#endif
+
 #ifdef RINGREDUCE_WITH_CUDA
 namespace cuda {
 RR_SYNC_BN_DECLARATIONS

@@ -1,0 +1,151 @@
+// The fused sync batch norm as one C++ autograd function (contract in
+// sync_batch_norm.h). Python's autograd.Function cost more than the kernels at
+// the sizes SyncBN runs at; here a training step makes one Python call.
+#include "ops/sync_batch_norm.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "kernels/sync_bn.h"
+
+namespace ringreduce {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+at::Tensor orUndefined(const std::optional<at::Tensor>& t) { return has(t) ? *t : at::Tensor(); }
+
+std::optional<at::Tensor> optional(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+int worldSize(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  return group ? group->getSize() : 1;
+}
+
+// In-place SUM over the group, blocking (as dist.all_reduce with async_op=False).
+void allReduceSum(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& t) {
+  if (worldSize(group) <= 1) return;
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.asyncOp = false;
+  group->allreduce(tensors, opts)->wait();
+}
+
+at::Tensor toStat(const at::Tensor& t, c10::ScalarType dtype) {
+  return !t.defined() || t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
+// The global values per channel when the host knows it without a device sync
+// (from shapes, or from a CPU pack when hostCount), else -1.
+int64_t knownCount(const at::Tensor& x, const at::Tensor& pack, int world, bool hostCount) {
+  if (world <= 1) return x.numel() / x.size(1);
+  if (hostCount && pack.is_cpu()) return static_cast<int64_t>(pack.const_data_ptr<double>()[0]);
+  return -1;
+}
+
+struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
+  // Optional tensors are passed as std::optional: an absent one is no input of
+  // the node (autograd reads the device of every tensor input).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            const std::optional<at::Tensor>& weightIn,
+                            const std::optional<at::Tensor>& biasIn,
+                            const std::optional<at::Tensor>& runningMeanIn,
+                            const std::optional<at::Tensor>& runningVarIn,
+                            const std::optional<at::Tensor>& numBatchesTracked, double eps,
+                            double momentum, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                            bool hostCount) {
+    const at::Tensor weight = orUndefined(weightIn), bias = orUndefined(biasIn);
+    const at::Tensor runningMean = orUndefined(runningMeanIn), runningVar = orUndefined(runningVarIn);
+    const int world = worldSize(group);
+    // Channels_last stays as it is; any other non-contiguous layout is copied once.
+    const at::Tensor x = input.is_contiguous() || input.is_contiguous(input.suggest_memory_format())
+                             ? input
+                             : input.contiguous(input.suggest_memory_format());
+    const c10::ScalarType sd = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    at::Tensor pack = bnStatsPack(x);
+    allReduceSum(group, pack);
+    const int64_t total = knownCount(x, pack, world, hostCount);
+    TORCH_CHECK_VALUE(total != 1, "Expected more than 1 value per channel when training, got ",
+                      "input size ", x.sizes(),
+                      world > 1 ? " (1 value per channel over the " + std::to_string(world) +
+                                      " ranks of the group)"
+                                : std::string());
+    auto [mean, invstd, varUnbiased] = bnFinalize(pack, eps, sd);
+    at::Tensor rm = toStat(runningMean, sd), rv = toStat(runningVar, sd);
+    at::Tensor meanUp = mean, varUp = varUnbiased;
+    if (total == 0) {
+      rm = rv = at::Tensor();  // an empty batch leaves them untouched, as in nn.BatchNorm
+    } else if (total < 0 && rm.defined() && rv.defined()) {
+      // Count unknown on the host (CUDA, several ranks): when it is 0 the batch
+      // is empty everywhere; normalizing with rm changes nothing and the update
+      // becomes rm = (1-f) rm + f rm.
+      const at::Tensor any = pack[0] > 0;
+      meanUp = at::where(any, mean, rm);
+      varUp = at::where(any, varUnbiased, rv);
+    }
+    at::Tensor y = bnForward(x, meanUp, invstd, varUp, weightIn, biasIn, optional(rm),
+                             optional(rv), numBatchesTracked, momentum);
+    if (rm.defined() && !rm.is_same(runningMean)) runningMean.copy_(rm);  // buffer not in sd
+    if (rv.defined() && !rv.is_same(runningVar)) runningVar.copy_(rv);
+    // Every channel has the same global count: keep one value, not the pack.
+    at::Tensor count = total >= 0 ? at::Tensor() : pack.select(0, 0).narrow(0, 0, 1).clone();
+    ctx->save_for_backward({x, weight, mean, invstd, count});
+    ctx->saved_data["total"] = static_cast<double>(std::max<int64_t>(total, 0));
+    ctx->saved_data["group"] = group ? at::IValue::make_capsule(group) : at::IValue();
+    ctx->saved_data["bias"] = bias.defined() ? at::IValue(bias.scalar_type()) : at::IValue();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &mean = saved[2], &invstd = saved[3];
+    at::Tensor count = saved[4];
+    if (!count.defined()) count = at::scalar_tensor(ctx->saved_data["total"].toDouble(),
+                                                    x.options().dtype(at::kDouble));
+    const at::IValue& g = ctx->saved_data["group"];
+    const auto group = g.isNone() ? c10::intrusive_ptr<c10d::ProcessGroup>()
+                                  : c10::static_intrusive_pointer_cast<c10d::ProcessGroup>(g.toCapsule());
+    const at::IValue& biasType = ctx->saved_data["bias"];
+    const at::Tensor& dy = grads[0];
+    // needs_input_grad counts the tensor inputs that were present: x, weight?, bias?.
+    const size_t biasEdge = weight.defined() ? 2 : 1;
+    at::Tensor sums = bnBackwardReduce(dy, x, mean);
+    at::Tensor gradX, gradWeight, gradBias;
+    if (weight.defined() && ctx->needs_input_grad(1)) {
+      gradWeight = (sums[1] * invstd).to(weight.scalar_type());  // local: DDP reduces it
+    }
+    if (!biasType.isNone() && ctx->needs_input_grad(biasEdge)) {
+      gradBias = sums[0].to(biasType.toScalarType(), /*non_blocking=*/false, /*copy=*/true);
+    }
+    if (ctx->needs_input_grad(0)) {  // as nn.SyncBatchNorm: no input grad, no collective
+      allReduceSum(group, sums);
+      gradX = bnBackwardElemt(dy, x, mean, invstd, optional(weight), sums, count);
+    }
+    return {gradX, gradWeight, gradBias, at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor syncBatchNormTrain(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                              const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& runningMean,
+                              const std::optional<at::Tensor>& runningVar,
+                              const std::optional<at::Tensor>& numBatchesTracked, double eps,
+                              double momentum,
+                              const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                              bool hostCount) {
+  TORCH_CHECK_VALUE(x.dim() >= 2 && x.dim() <= 5 && x.size(1) > 0, "[ringreduce] sync batch ",
+                    "norm expects a 2D-5D input (N, C, ...) with C > 0, got ", x.sizes());
+  TORCH_CHECK_VALUE(has(runningMean) == has(runningVar), "[ringreduce] sync batch norm: ",
+                    "running_mean and running_var must be given together");
+  return SyncBatchNormFunction::apply(x, weight, bias, runningMean, runningVar, numBatchesTracked,
+                                      eps, momentum, group, hostCount);
+}
+
+}  // namespace ringreduce
