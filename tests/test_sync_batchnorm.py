@@ -9,6 +9,9 @@ case also counts the collectives that reach the group (exactly one in forward
 and one in backward when the group has more than one rank, none in eval).
 """
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -290,3 +293,25 @@ def test_cuda_single_process_matches_nn():
         ref(xr)[:16].sum().backward()
         assert torch.allclose(xo.grad, xr.grad, atol=1e-5, rtol=0)
         assert torch.allclose(ours.running_var, ref.running_var, atol=1e-5, rtol=0)
+
+
+def test_avx2_build_matches_baseline_bitwise(tmp_path):
+    """The AVX2 build of the CPU kernels (picked at run time) gives bit-for-bit the
+    baseline build's results: same code and order of operations, no FMA contraction."""
+    dump = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernel_isa_dump.py")
+    got = {}
+    for flag in ("1", "0"):
+        path = tmp_path / f"isa{flag}.pt"
+        env = dict(os.environ, RINGREDUCE_CPU_AVX2=flag)
+        proc = subprocess.run([sys.executable, dump, str(path)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[flag] = torch.load(path)
+    assert got["0"].pop("isa") == "baseline"
+    isa = got["1"].pop("isa")
+    if isa != "avx2":
+        pytest.skip("this processor has no AVX2: only the baseline build runs")
+    assert got["1"].keys() == got["0"].keys()
+    for key, tensors in got["1"].items():
+        for i, (a, b) in enumerate(zip(tensors, got["0"][key])):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{key} output {i} differs"

@@ -36,6 +36,8 @@ PYBIND11_MODULE(_C, m) {
 
   // Sync batch-norm kernels (contracts in csrc/kernels/sync_bn.h).
   using OptT = std::optional<at::Tensor>;
+  m.def("cpu_kernel_isa", &ringreduce::cpuKernelIsa,
+        "'avx2' or 'baseline': which build of the CPU batch-norm kernels runs");
   m.def("bn_stats_pack", &ringreduce::bnStatsPack, py::arg("x"));
   m.def("bn_finalize",
         [](const at::Tensor& pack, double eps, std::optional<at::ScalarType> dtype) {

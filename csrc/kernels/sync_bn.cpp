@@ -53,6 +53,13 @@ bool useAvx2() {
 
 }  // namespace
 
+const char* cpuKernelIsa() {
+#ifdef RINGREDUCE_CPU_AVX2
+  if (useAvx2()) return "avx2";
+#endif
+  return "baseline";
+}
+
 #ifdef RINGREDUCE_WITH_CUDA
 #define RR_ROUTE(x, name, ...) \
   return onCuda(x, #name) ? cuda::name(__VA_ARGS__) : RR_CPU(name, __VA_ARGS__)
