@@ -39,6 +39,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from torch_ringreduce import _syncbn_reference
 
+try:
+    from torch.distributed import ProcessGroup as _ProcessGroup
+except ImportError:  # torch built without distributed
+    _ProcessGroup = ()
+
 __all__ = ["SyncBatchNorm", "revert_sync_batchnorm", "kernel_source"]
 
 KERNEL_NAMES = ("bn_stats_pack", "bn_finalize", "bn_forward", "bn_backward_reduce",
@@ -219,28 +224,37 @@ class SyncBatchNorm(_BatchNorm):
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1
         group = self.process_group if self.process_group is not None else dist.group.WORLD
-        return group, dist.get_world_size(group)
+        if isinstance(group, _ProcessGroup):
+            return group, group.size()
+        return group, dist.get_world_size(group)  # -1 on a rank outside the group
 
     def forward(self, input):
+        # Written for a short host path: a training step at SyncBN's usual sizes
+        # costs about as much in Python as in the kernels. Parameters and buffers
+        # are read once (each read goes through nn.Module.__getattr__).
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
-        if self._last_input_dim != input.dim():  # nn.Module.__setattr__ is slow
-            self._last_input_dim = input.dim()
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        use_buffers = not self.training or self.track_running_stats
-        running_mean = self.running_mean if use_buffers else None
-        running_var = self.running_var if use_buffers else None
-        if not (bn_training and self.training):  # eval: no communication, as nn's
+        dim = input.dim()
+        if self._last_input_dim != dim:  # nn.Module.__setattr__ is slow
+            self._last_input_dim = dim
+        training, track = self.training, self.track_running_stats
+        running_mean, running_var = self.running_mean, self.running_var
+        nbt = self.num_batches_tracked
+        if training and track and nbt is not None:
+            nbt.add_(1)
+        bn_training = training or (running_mean is None and running_var is None)
+        if training and not track:
+            running_mean = running_var = None
+        if not (bn_training and training):  # eval: no communication, as nn's
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, 0.0, self.eps)
-        sd = _syncbn_reference.stat_dtype(input)
+        sd = torch.float64 if input.dtype == torch.float64 else torch.float32
         group, world_size = self._group()
         momentum = -1.0 if self.momentum is None else float(self.momentum)
-        nbt = self.num_batches_tracked if running_mean is not None else None
+        nbt = nbt if running_mean is not None else None
         weight, bias = _to_stat(self.weight, sd), _to_stat(self.bias, sd)
-        fused = _kernels(input.device.type).fused
+        device_type = input.device.type
+        fused = _kernels(device_type).fused
         if fused is not None:
             return fused(input, weight, bias, running_mean, running_var, nbt, self.eps,
                          momentum, group if world_size > 1 else None,

@@ -18,6 +18,11 @@ constexpr const char* kEnvSegmentBytes = "RINGREDUCE_SEGMENT_BYTES";
 // number of cores here, else 0).
 constexpr const char* kEnvSpinUs = "RINGREDUCE_SPIN_US";
 constexpr int64_t kDefaultSpinUs = 50;
+// RINGREDUCE_YIELD_US: microseconds a rank then polls with sched_yield() between
+// tries before sleeping (default kDefaultYieldUs when the world size is above
+// the number of cores, where the rank it waits for may need this core, else 0).
+constexpr const char* kEnvYieldUs = "RINGREDUCE_YIELD_US";
+constexpr int64_t kDefaultYieldUs = 200;
 // RINGREDUCE_DEBUG=1: log connection set-up and aborts to stderr.
 constexpr const char* kEnvDebug = "RINGREDUCE_DEBUG";
 

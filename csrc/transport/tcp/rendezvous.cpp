@@ -97,6 +97,7 @@ TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   peerAddr_.assign(size, "");
   const bool coresToSpare = static_cast<unsigned>(size) <= std::thread::hardware_concurrency();
   spinUs_ = envInt(kEnvSpinUs, coresToSpare ? kDefaultSpinUs : 0);
+  yieldUs_ = envInt(kEnvYieldUs, coresToSpare ? 0 : kDefaultYieldUs);
   if (size > 1) {
     connectMesh(timeout);
   }

@@ -83,7 +83,8 @@ class TcpTransport : public Transport {
   std::thread acceptThread_;
   std::unique_ptr<P2PEngine> p2p_;
 
-  int64_t spinUs_ = 0;  // busy-poll budget before sleeping (RINGREDUCE_SPIN_US)
+  int64_t spinUs_ = 0;   // busy-poll budget before sleeping (RINGREDUCE_SPIN_US)
+  int64_t yieldUs_ = 0;  // then poll-and-yield budget (RINGREDUCE_YIELD_US)
   std::atomic<bool> aborted_{false};
   std::atomic<bool> closed_{false};
   std::string abortReason_;  // guarded by mu_
