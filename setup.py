@@ -1,8 +1,8 @@
 """Build torch_ringreduce._C against the installed torch.
 
-CPU build (CppExtension) when torch has no CUDA; CUDA build (CUDAExtension, with
-NCCL, RINGREDUCE_WITH_CUDA defined) when it has and nvcc is found. Force either
-with RINGREDUCE_CUDA=0/1. Build with `pip install --no-build-isolation -e .` so
+CPU build (CppExtension) when torch has no CUDA; CUDA build (CUDAExtension,
+RINGREDUCE_WITH_CUDA defined, NCCL linked once csrc/transport/nccl/ exists) when
+it has and nvcc is found. Force either with RINGREDUCE_CUDA=0/1. Build with `pip install --no-build-isolation -e .` so
 the torch you run is the torch you built against.
 """
 import glob
@@ -63,6 +63,14 @@ def nccl_dirs():
     )
 
 
+def nccl_library(library_dirs):
+    """"nccl", or ":libnccl.so.2" where only the versioned library exists (PyPI's
+    nvidia-nccl wheels ship no libnccl.so link)."""
+    if any(os.path.exists(os.path.join(d, "libnccl.so")) for d in library_dirs):
+        return "nccl"
+    return ":libnccl.so.2"
+
+
 def extension():
     cuda = want_cuda()
     # The language standard comes from torch (C++20 for 2.13).
@@ -77,11 +85,12 @@ def extension():
     if cuda:
         kwargs["extra_compile_args"]["cxx"].append("-DRINGREDUCE_WITH_CUDA")
         kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-DRINGREDUCE_WITH_CUDA"]
-        include_dirs, library_dirs = nccl_dirs()
-        kwargs["include_dirs"] += include_dirs
-        kwargs["library_dirs"] = library_dirs
-        kwargs["runtime_library_dirs"] = library_dirs
-        kwargs["libraries"] = ["nccl"]
+        if any(os.sep + "nccl" + os.sep in src for src in kwargs["sources"]):
+            include_dirs, library_dirs = nccl_dirs()
+            kwargs["include_dirs"] += include_dirs
+            kwargs["library_dirs"] = library_dirs
+            kwargs["runtime_library_dirs"] = library_dirs
+            kwargs["libraries"] = [nccl_library(library_dirs)]
         return CUDAExtension(**kwargs)
     return CppExtension(**kwargs)
 

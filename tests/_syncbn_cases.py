@@ -34,9 +34,11 @@ def make_batch(seed, batch, tail, mean=0.0, std=1.0):
 
 
 def max_err(got, want):
+    """Largest absolute difference, in float64 on the CPU (the tensors may be on
+    different devices: ours on CUDA against nn.BatchNorm on the CPU)."""
     if got.numel() == 0:
         return 0.0
-    return (got.detach().double() - want.detach().double()).abs().max().item()
+    return (got.detach().cpu().double() - want.detach().cpu().double()).abs().max().item()
 
 
 class CollectiveCounter:
@@ -92,6 +94,7 @@ class Case:
     steps: int = 1
     seed: int = 0
     eval_after: bool = False
+    device: str = "cpu"  # ours runs here; the nn.BatchNorm oracle always on the CPU
 
 
 def _modules(case, dims, group):
@@ -110,7 +113,7 @@ def _modules(case, dims, group):
                 module.bias.copy_(bias)
     if case.dtype == torch.float64:
         ours, ref = ours.double(), ref.double()
-    return ours, ref
+    return ours.to(case.device), ref
 
 
 def _inputs(case, step, pos):
@@ -120,7 +123,7 @@ def _inputs(case, step, pos):
     ref_in = full if case.dtype == torch.float64 else full.float()
     lo = sum(case.sizes[:pos])
     hi = lo + case.sizes[pos]
-    local = full[lo:hi].clone()
+    local = full[lo:hi].clone().to(case.device)
     if case.channels_last:
         local = local.contiguous(memory_format=CHANNELS_LAST[local.dim()])
     return local.requires_grad_(), ref_in.clone().requires_grad_(), (lo, hi)
@@ -158,6 +161,7 @@ def compare(ctx, case, pos, group=None, oracle=None):
         errs["rm"] = max_err(ours.running_mean, ref.running_mean)
         errs["rv"] = max_err(ours.running_var, ref.running_var)
         layout_ok &= int(ours.num_batches_tracked) == int(ref.num_batches_tracked)
+        layout_ok &= ours.running_mean.device.type == case.device
     if case.eval_after:
         _compare_eval(errs, calls, case, ours, ref, counter, pos)
     return {"errors": errs, "layout_ok": bool(layout_ok), "calls": calls,
@@ -166,7 +170,7 @@ def compare(ctx, case, pos, group=None, oracle=None):
 
 def _compare_affine(errs, ours, ref, oracle):
     """Local grads summed over the group (on gloo) against nn's; then zero both."""
-    grads = torch.stack([ours.weight.grad, ours.bias.grad]).double()
+    grads = torch.stack([ours.weight.grad, ours.bias.grad]).double()  # on ours' device
     if oracle is not None:
         dist.all_reduce(grads, group=oracle)
     errs["dw"] = max(errs["dw"], max_err(grads[0], ref.weight.grad))
@@ -194,6 +198,12 @@ def _compare_eval(errs, calls, case, ours, ref, counter, pos):
 def run_cases(ctx, cases):
     """Remote: each Case over the whole default group (the backend under test)."""
     return [compare(ctx, case, ctx.rank, None, ctx.oracle) for case in cases]
+
+
+def run_cases_on_gloo(ctx, cases):
+    """Remote: each Case with the gloo group over all ranks as SyncBatchNorm's group
+    (CUDA tensors: NCCL refuses several ranks on one GPU, gloo stages through the host)."""
+    return [compare(ctx, case, ctx.rank, ctx.oracle, ctx.oracle) for case in cases]
 
 
 def run_cases_count_unknown(ctx, cases):
@@ -251,8 +261,9 @@ def one_value_error(ctx, sizes, tail):
     return message, int(bn.num_batches_tracked)
 
 
-def numerics(ctx, ratio, channels=8, per_rank=16):
-    """Remote: mean/std = ratio in float32; ours and naive fp32 sums vs float64.
+def numerics(ctx, ratio, channels=8, per_rank=16, device="cpu"):
+    """Remote: mean/std = ratio in float32; ours (on `device`; over the gloo group
+    for CUDA) and naive fp32 sums vs float64.
 
     Returns relative errors of the unbiased variance (ours, naive) and the abs
     error of the output in units of std.
@@ -261,8 +272,9 @@ def numerics(ctx, ratio, channels=8, per_rank=16):
     std = 2.0 ** (torch.arange(channels, dtype=torch.float64) % 5 - 2)
     full = make_batch(7, total, (channels,), mean=ratio * std, std=std)
     local = full[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
-    bn = SyncBatchNorm(channels, momentum=1.0, affine=False)
-    y = bn(local)
+    group = ctx.oracle if device != "cpu" else None
+    bn = SyncBatchNorm(channels, momentum=1.0, affine=False, process_group=group).to(device)
+    y = bn(local.to(device))
     x64 = full.double()
     var64 = x64.var(0, correction=1)
     mean64 = x64.mean(0)
@@ -271,8 +283,9 @@ def numerics(ctx, ratio, channels=8, per_rank=16):
     dist.all_reduce(sums, group=ctx.oracle)
     naive_biased = sums[1] / total - (sums[0] / total) ** 2
     naive = naive_biased.double() * total / (total - 1)
-    return {"ours_var_rel": ((bn.running_var.double() - var64) / var64).abs().max().item(),
-            "ours_mean_rel": ((bn.running_mean.double() - mean64) / mean64).abs().max().item(),
+    running_var, running_mean = bn.running_var.cpu().double(), bn.running_mean.cpu().double()
+    return {"ours_var_rel": ((running_var - var64) / var64).abs().max().item(),
+            "ours_mean_rel": ((running_mean - mean64) / mean64).abs().max().item(),
             "naive_var_rel": ((naive - var64) / var64).abs().max().item(),
             "ours_y_abs": max_err(y, y64)}
 
@@ -292,11 +305,12 @@ def _mag(*tensors):
                default=0.0)
 
 
-def compare_kernels(ext, ref, shape, fmt, dtype, seed=0):
-    """Each of the five _C kernels against the reference on one random input.
+def compare_kernels(ext, ref, shape, fmt, dtype, seed=0, device="cpu"):
+    """Each of the five _C kernels, run on `device`, against the reference on the CPU.
 
     Returns {check: {"diff", "tol", "ok"}}; layouts and dtypes must match too.
     """
+    ext = _OnDevice(ext, device)
     gen = torch.Generator().manual_seed(seed)
     channels = shape[1]
     sd = ref.stat_dtype(torch.empty(0, dtype=dtype))
@@ -342,6 +356,8 @@ def _compare_forward(out, ext, ref, x, stats, sd, momentum, gen):
         rm, rv = running[0].clone(), running[1].clone()
         y = impl.bn_forward(x, stats["mean"], stats["invstd"], stats["var_unbiased"], weight,
                             bias, rm, rv, nbt, momentum)
+        if label == "ext":
+            ext.copy_back()  # the running stats it updated on the device
         copies[label] = (y, rm, rv)
     (y, rm, rv), (y_ref, rm_ref, rv_ref) = copies["ext"], copies["ref"]
     tag = f"forward_m{momentum:g}"
@@ -353,6 +369,32 @@ def _compare_forward(out, ext, ref, x, stats, sd, momentum, gen):
                        None, None, None, momentum)
     y_ref = ref.bn_forward(x, stats["mean"], stats["invstd"], stats["var_unbiased"])
     out[f"{tag}_no_affine"] = _close(y, y_ref, _mag(y_ref), x.dtype, 8)
+
+
+class _OnDevice:
+    """Calls the kernels of `ext` on copies of the arguments on `device` and returns
+    CPU tensors; copy_back() writes the device copies of the last call's tensor
+    arguments back (the running stats bn_forward updates in place)."""
+
+    def __init__(self, ext, device):
+        self._ext, self._device, self._last = ext, torch.device(device), []
+
+    def __getattr__(self, name):
+        kernel = getattr(self._ext, name)
+        if self._device.type == "cpu":
+            return kernel
+
+        def call(*args):
+            moved = [a.to(self._device) if isinstance(a, torch.Tensor) else a for a in args]
+            self._last = [(a, m) for a, m in zip(args, moved) if isinstance(a, torch.Tensor)]
+            out = kernel(*moved)
+            return tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
+        return call
+
+    def copy_back(self):
+        for original, moved in self._last:
+            if moved is not original:
+                original.copy_(moved.cpu())
 
 
 def _layout(got, want, fmt):

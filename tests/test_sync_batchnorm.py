@@ -20,7 +20,7 @@ from torch import nn
 import torch_ringreduce
 from _syncbn_cases import (Case, compare, compare_kernels, even_sizes, make_batch, numerics,
                            one_value_error, run_cases, run_cases_count_unknown,
-                           run_cases_python_function, run_subgroups)
+                           run_cases_on_gloo, run_cases_python_function, run_subgroups)
 from torch_ringreduce import _syncbn_reference as ref_kernels
 from torch_ringreduce.sync_batchnorm import SyncBatchNorm, kernel_source, revert_sync_batchnorm
 
@@ -280,6 +280,62 @@ def test_compiled_kernels_match_reference(shape, fmt, dtype):
 
 
 # ------------------------------------------------------------------ CUDA
+#
+# The same parity tests on CUDA tensors. Every rank of a world uses cuda:0, so
+# the group is the world's gloo group (NCCL refuses two ranks on one GPU); the
+# oracle is still one nn.BatchNorm on the CPU over the whole batch.
+
+def _on_cuda(cases):
+    import dataclasses
+
+    return [dataclasses.replace(case, device="cuda") for case in cases]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("workers", [1, 4])
+def test_cuda_parity_matrix(worlds, workers):
+    cases = _on_cuda([Case(even_sizes(batch, workers), (hidden,), seed=hidden + batch)
+                      for hidden in (128, 256, 512, 1024) for batch in (32, 64)])
+    results = _merge(worlds.run(workers, run_cases_on_gloo, cases))
+    seen = {k: 0.0 for k in ERROR_KEYS}
+    for case, result in zip(cases, results):
+        _assert_case(result, case, PARITY_ATOL, workers, "cuda")
+        for k, v in result["errors"].items():
+            seen[k] = max(seen[k], v)
+    print(f"\ncuda parity matrix, {workers} workers over gloo, kernels "
+          f"{kernel_source('cuda')['bn_forward']}: max abs error "
+          + ", ".join(f"{k} {v:.2e}" for k, v in seen.items() if k != "eval"))
+    assert max(seen.values()) <= PARITY_TIGHT, f"parity looser than {PARITY_TIGHT}: {seen}"
+
+
+@pytest.mark.cuda
+def test_cuda_shapes_layouts_dtypes_modes(worlds):
+    """SWEEP on CUDA tensors (where the host never reads the global count)."""
+    cases = _on_cuda(SWEEP)
+    results = _merge(worlds.run(4, run_cases_on_gloo, cases))
+    for case, result in zip(cases, results):
+        _assert_case(result, case, TOL[case.dtype], 4, "cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_numerics_large_mean(worlds):
+    got = {ratio: worlds.run(4, numerics, ratio, device="cuda")[0] for ratio in (1e3, 1e4)}
+    for ratio, v in got.items():
+        assert v["ours_var_rel"] < 1e-4, (ratio, v)
+        assert v["ours_mean_rel"] < 1e-6, (ratio, v)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_compiled_kernels() is None or not getattr(_compiled_kernels(), "with_cuda",
+                                                                False),
+                    reason="torch_ringreduce._C was built without CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape, fmt", KERNEL_SHAPES)
+def test_cuda_kernels_match_reference(shape, fmt, dtype):
+    worst = compare_kernels(_compiled_kernels(), ref_kernels, shape, fmt, dtype, device="cuda")
+    bad = {k: v for k, v in worst.items() if not v["ok"]}
+    assert not bad, f"_C on CUDA vs reference, {dtype} {shape} {fmt}: {bad}"
+
 
 @pytest.mark.cuda
 def test_cuda_single_process_matches_nn():
