@@ -5,6 +5,7 @@
 #include "algorithms/algorithms.h"
 #include "backend/validate.h"
 #include "common/env.h"
+#include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace ringreduce {
@@ -25,7 +26,11 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   TORCH_CHECK_VALUE(segment >= 64, "[ringreduce] ", kEnvSegmentBytes, "=", segment,
                     " is too small (at least 64 bytes)");
   segmentBytes_ = static_cast<size_t>(segment);
-  transport_ = std::make_unique<tcp::TcpTransport>(store, rank, size, timeout);
+  // Ranks all on this host talk through shared memory; the TCP mesh stays up
+  // underneath for point-to-point and for spreading failures.
+  auto tcp = std::make_unique<tcp::TcpTransport>(store, rank, size, timeout);
+  tcp_ = tcp.get();
+  transport_ = shm::overSharedMemory(std::move(tcp), store, rank, size, timeout);
   worker_ = std::thread([this] { workerLoop(); });
 }
 
@@ -151,11 +156,11 @@ uint64_t RingBackend::getSequenceNumberForGroup() {
 }
 
 std::string RingBackend::listenAddress() const {
-  return transport_->listenAddress();
+  return tcp_->listenAddress();
 }
 
 std::vector<std::string> RingBackend::refusedConnections() const {
-  return transport_->refusedConnections();
+  return tcp_->refusedConnections();
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::barrier(const c10d::BarrierOptions& opts) {

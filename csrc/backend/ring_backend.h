@@ -114,7 +114,8 @@ class RingBackend : public c10d::Backend {
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;
   void workerLoop();
 
-  std::unique_ptr<tcp::TcpTransport> transport_;
+  std::unique_ptr<Transport> transport_;  // shared memory over TCP, or TCP alone
+  tcp::TcpTransport* tcp_ = nullptr;      // the TCP mesh (owned through transport_)
   std::chrono::milliseconds timeout_;
   size_t segmentBytes_;
 

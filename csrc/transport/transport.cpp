@@ -1,6 +1,44 @@
 #include "transport/transport.h"
 
+#include "kernels/reduce_ops.h"
+
 namespace ringreduce {
+
+// Human text for the first header field that differs from what this op expects.
+std::string headerMismatch(const OpInfo& op, const RecvSpec& spec, const WireHeader& h) {
+  if (h.magic != kWireMagic) {
+    return "protocol error: bad message magic (not a ringreduce message, or the stream "
+           "lost its framing)";
+  }
+  if (h.kind != static_cast<uint8_t>(op.kind) || h.seq != op.ctx.seq) {
+    return "collective mismatch: the peer is running " +
+           std::string(opKindName(static_cast<OpKind>(h.kind))) + "#" + std::to_string(h.seq) +
+           ", this rank " + op.ctx.op + "#" + std::to_string(op.ctx.seq) +
+           " (every rank must issue the same collectives in the same order)";
+  }
+  if (h.dtype != op.dtype) {
+    return "dtype mismatch: got " + dtypeName(static_cast<c10::ScalarType>(h.dtype)) +
+           ", expected " + dtypeName(static_cast<c10::ScalarType>(op.dtype));
+  }
+  if (h.reduceOp != op.reduceOp) {
+    auto name = [](uint8_t r) {
+      return r == kNoReduceOp ? "none"
+                              : reduceOpName(static_cast<c10d::ReduceOp::RedOpType>(r));
+    };
+    return std::string("reduce op mismatch: got ") + name(h.reduceOp) + ", expected " +
+           name(op.reduceOp);
+  }
+  if (h.total != op.total) {
+    return "element count mismatch: got " + std::to_string(h.total) + ", expected " +
+           std::to_string(op.total);
+  }
+  if (h.step != spec.step || h.bytes != spec.bytes) {
+    return "byte count mismatch: got " + std::to_string(h.bytes) + " (step " +
+           std::to_string(h.step) + "), expected " + std::to_string(spec.bytes) + " (step " +
+           std::to_string(spec.step) + ")";
+  }
+  return "";
+}
 
 std::string unusable(const OpInfo& op, const std::string& cause) {
   return op.ctx.message("the group is no longer usable") + "; first error: " + cause;

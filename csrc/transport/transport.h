@@ -84,6 +84,10 @@ struct RecvSpec {
   std::function<void(size_t)> onProgress;
 };
 
+// Human text for the first field of a received header that differs from what
+// this op and receive expect; empty when it matches.
+std::string headerMismatch(const OpInfo& op, const RecvSpec& spec, const WireHeader& h);
+
 // Completion of a point-to-point operation: sourceRank is the sender for
 // receives; error is null on success.
 using P2PCallback = std::function<void(int sourceRank, std::exception_ptr error)>;

@@ -41,42 +41,6 @@ struct RecvState {
   bool finished() const { return headerDone == sizeof(WireHeader) && dataDone == spec->bytes; }
 };
 
-// Human text for the first header field that differs from what this op expects.
-std::string headerMismatch(const OpInfo& op, const RecvSpec& spec, const WireHeader& h) {
-  if (h.magic != kWireMagic) {
-    return "protocol error: bad message magic (not a ringreduce message, or the stream "
-           "lost its framing)";
-  }
-  if (h.kind != static_cast<uint8_t>(op.kind) || h.seq != op.ctx.seq) {
-    return "collective mismatch: the peer is running " +
-           std::string(opKindName(static_cast<OpKind>(h.kind))) + "#" + std::to_string(h.seq) +
-           ", this rank " + op.ctx.op + "#" + std::to_string(op.ctx.seq) +
-           " (every rank must issue the same collectives in the same order)";
-  }
-  if (h.dtype != op.dtype) {
-    return "dtype mismatch: got " + dtypeName(static_cast<c10::ScalarType>(h.dtype)) +
-           ", expected " + dtypeName(static_cast<c10::ScalarType>(op.dtype));
-  }
-  if (h.reduceOp != op.reduceOp) {
-    auto name = [](uint8_t r) {
-      return r == kNoReduceOp ? "none"
-                              : reduceOpName(static_cast<c10d::ReduceOp::RedOpType>(r));
-    };
-    return std::string("reduce op mismatch: got ") + name(h.reduceOp) + ", expected " +
-           name(op.reduceOp);
-  }
-  if (h.total != op.total) {
-    return "element count mismatch: got " + std::to_string(h.total) + ", expected " +
-           std::to_string(op.total);
-  }
-  if (h.step != spec.step || h.bytes != spec.bytes) {
-    return "byte count mismatch: got " + std::to_string(h.bytes) + " (step " +
-           std::to_string(h.step) + "), expected " + std::to_string(spec.bytes) + " (step " +
-           std::to_string(spec.step) + ")";
-  }
-  return "";
-}
-
 // Sends as much as the socket takes. Returns false on EOF/error with *err set.
 bool progressSend(int fd, SendState& s, std::string* err) {
   while (s.done < s.total()) {
@@ -301,6 +265,16 @@ void TcpTransport::abort(const std::string& reason) {
     }
   }
   if (p2p_) p2p_->abort(reason);
+}
+
+int TcpTransport::closedPeer(const std::vector<int>& peers) {
+  std::vector<pollfd> pfds;
+  for (int peer : peers) pfds.push_back({fds_[kCollective][peer], POLLIN, 0});
+  if (pfds.empty() || poll(pfds.data(), pfds.size(), 0) <= 0) return -1;
+  for (size_t i = 0; i < pfds.size(); ++i) {
+    if (pfds[i].revents != 0) return peers[i];
+  }
+  return -1;
 }
 
 std::string TcpTransport::abortReason() const {

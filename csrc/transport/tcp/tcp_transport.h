@@ -46,6 +46,21 @@ class TcpTransport : public Transport {
   std::string abortReason() const override;
   void close() override;
 
+  // For a transport layered over this one (shared memory), which keeps the
+  // collective connections idle and uses them only to learn of failures:
+  // fails `op` as a TCP transfer would (aborts, publishes, throws).
+  [[noreturn]] void failOp(const OpInfo& op, int peer, const std::string& what) {
+    fail(op, peer, what);
+  }
+  // The first of `peers` whose idle collective connection became readable
+  // (it closed: the peer exited or aborted), or -1. Never blocks.
+  int closedPeer(const std::vector<int>& peers);
+  // This group's store key for `name` (keys of a re-created group differ).
+  std::string storeKey(const std::string& name) const { return storeBase_ + name; }
+  int64_t spinUs() const { return spinUs_; }
+  int64_t yieldUs() const { return yieldUs_; }
+  bool aborted() const { return aborted_; }
+
   // "ip:port" this rank accepts connections on (empty for a group of one).
   std::string listenAddress() const;
   // Why each refused connection was refused (also logged to stderr).
