@@ -155,6 +155,10 @@ uint64_t RingBackend::getSequenceNumberForGroup() {
   return seq_;
 }
 
+std::string RingBackend::transportKind() const {
+  return transport_.get() == static_cast<Transport*>(tcp_) ? "tcp" : "shm";
+}
+
 std::string RingBackend::listenAddress() const {
   return tcp_->listenAddress();
 }

@@ -86,6 +86,8 @@ class RingBackend : public c10d::Backend {
   void abort() override;
 
   std::string listenAddress() const;
+  // "shm" when collectives go through shared memory, else "tcp".
+  std::string transportKind() const;
   std::vector<std::string> refusedConnections() const;
 
  private:

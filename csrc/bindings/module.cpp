@@ -25,6 +25,9 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("listen_address", &ringreduce::RingBackend::listenAddress,
            "'ip:port' this rank accepts peer connections on")
+      .def("transport_kind", &ringreduce::RingBackend::transportKind,
+           "'shm' when collectives go through shared memory (every rank on this host), "
+           "else 'tcp'")
       .def("refused_connections", &ringreduce::RingBackend::refusedConnections,
            "Why each refused (unauthenticated) connection was refused");
 

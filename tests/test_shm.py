@@ -1,0 +1,109 @@
+"""The shared-memory transport (csrc/transport/shm/): chosen when every rank is on
+this host, results equal to gloo's through rings much smaller than the messages,
+no segment left in /dev/shm, and RINGREDUCE_SHM=0 keeps a group on TCP.
+
+Everything else (every collective, every error path) already runs over shared
+memory: it is the default for the single-host worlds of the whole suite.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import backend_under_test
+
+pytestmark = pytest.mark.skipif(backend_under_test() != "ringreduce",
+                                reason="tests ringreduce's own transport")
+CPU = torch.device("cpu")
+
+
+def _kind(group=None):
+    return (group or dist.group.WORLD)._get_backend(CPU).transport_kind()
+
+
+def _transport_kinds(ctx):
+    return _kind()
+
+
+@pytest.mark.parametrize("world_size,want", [(1, "tcp"), (2, "shm"), (4, "shm")])
+def test_transport_chosen_by_host(worlds, world_size, want):
+    assert worlds.run(world_size, _transport_kinds) == [want] * world_size
+
+
+def _group_with_env(**env):
+    """A new ringreduce group over all ranks, created with `env` set."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        return dist.new_group(backend="ringreduce")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _collectives(ctx, group):
+    """Large collectives on `group` and on the gloo oracle: max abs difference."""
+    rank, n = ctx.rank, ctx.world_size
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+
+    def both(fn, make):
+        nonlocal worst
+        ours, ref = make(), make()
+        fn(ours, group)
+        fn(ref, ctx.oracle)
+        worst = max(worst, max((a - b).abs().max().item() for a, b in zip(ours, ref)))
+
+    data = torch.randn(300_001, generator=gen)
+    both(lambda t, g: dist.all_reduce(t[0], group=g), lambda: [data.clone()])
+    both(lambda t, g: dist.broadcast(t[0], src=n - 1, group=g), lambda: [data.clone()])
+    both(lambda t, g: dist.all_gather(t[1:], t[0], group=g),
+         lambda: [data[:70_000].clone()] + [torch.empty(70_000) for _ in range(n)])
+    both(lambda t, g: dist.all_to_all_single(t[1], t[0], group=g),
+         lambda: [data[:n * 50_000].clone(), torch.empty(n * 50_000)])
+    both(lambda t, g: dist.reduce_scatter_tensor(t[1], t[0], group=g),
+         lambda: [data[:n * 40_000].clone(), torch.empty(40_000)])
+    dist.barrier(group=group)
+    return worst
+
+
+def _small_rings_and_tcp(ctx):
+    small = _group_with_env(RINGREDUCE_SHM_RING_BYTES=4096)
+    tcp = _group_with_env(RINGREDUCE_SHM=0)
+    return {"kinds": (_kind(small), _kind(tcp)),
+            "small_rings": _collectives(ctx, small), "tcp": _collectives(ctx, tcp)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_small_rings_and_tcp_match_gloo(worlds, world_size):
+    """4 KiB rings carry messages of up to 1.2 MB in pieces; the results are gloo's."""
+    for rank, res in enumerate(worlds.run(world_size, _small_rings_and_tcp)):
+        assert res["kinds"] == ("shm", "tcp"), f"rank {rank}: {res['kinds']}"
+        assert res["small_rings"] <= 1e-4, f"rank {rank}: differs from gloo by {res}"
+        assert res["tcp"] <= 1e-4, f"rank {rank}: differs from gloo by {res}"
+
+
+def _segments_of(pid):
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"ringreduce-{pid}-"))
+
+
+def _segments_after_groups(ctx):
+    groups = [dist.new_group(backend="ringreduce") for _ in range(3)]
+    for g in groups:
+        dist.all_reduce(torch.ones(8), group=g)
+    pids = [None] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid(), group=ctx.oracle)
+    left = _segments_of(pids[0])
+    for g in groups:
+        dist.destroy_process_group(g)
+    return left
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_no_segment_left_in_dev_shm(worlds):
+    """Rank 0 unlinks the segment once every rank has mapped it."""
+    assert worlds.run(2, _segments_after_groups) == [[], []]
