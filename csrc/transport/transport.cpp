@@ -40,6 +40,40 @@ std::string headerMismatch(const OpInfo& op, const RecvSpec& spec, const WireHea
   return "";
 }
 
+WireHeader messageHeader(const OpInfo& op, const SendSpec& send) {
+  return WireHeader{kWireMagic, static_cast<uint8_t>(op.kind), op.dtype, op.reduceOp, 0,
+                    op.ctx.seq, op.total, send.step, send.bytes};
+}
+
+void startProgress(const OpInfo& op, std::vector<SendSpec>& sends, std::vector<RecvSpec>& recvs,
+                   std::vector<SendProgress>* sendProgress,
+                   std::vector<RecvProgress>* recvProgress) {
+  for (auto& s : sends) sendProgress->push_back({&s, messageHeader(op, s)});
+  for (auto& r : recvs) recvProgress->push_back({&r});
+}
+
+std::pair<int, std::string> timeoutReport(const OpInfo& op, const std::vector<SendProgress>& sends,
+                                          const std::vector<RecvProgress>& recvs) {
+  const std::string after = "timed out after " + std::to_string(op.timeout.count()) + " ms ";
+  for (auto& r : recvs) {
+    if (!r.finished()) {
+      std::string got = "got " + std::to_string(r.dataDone) + " of " +
+                        std::to_string(r.spec->bytes) + " bytes";
+      if (r.headerDone < sizeof(WireHeader)) {
+        got += " (its message for step " + std::to_string(r.spec->step) + " has not started)";
+      }
+      return {r.spec->peer, after + "waiting to receive: " + got};
+    }
+  }
+  for (auto& s : sends) {
+    if (s.done < s.total()) {
+      return {s.spec->peer, after + "sending: sent " + std::to_string(s.done) + " of " +
+                                std::to_string(s.total()) + " bytes (with header)"};
+    }
+  }
+  return {-1, after + "with nothing left to transfer"};
+}
+
 std::string unusable(const OpInfo& op, const std::string& cause) {
   return op.ctx.message("the group is no longer usable") + "; first error: " + cause;
 }

@@ -11,6 +11,7 @@
 #include <exception>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/errors.h"
@@ -87,6 +88,35 @@ struct RecvSpec {
 // Human text for the first field of a received header that differs from what
 // this op and receive expect; empty when it matches.
 std::string headerMismatch(const OpInfo& op, const RecvSpec& spec, const WireHeader& h);
+
+// How far one message of an exchange has got (a transport's bookkeeping).
+struct SendProgress {
+  const SendSpec* spec;
+  WireHeader header;  // what this op stamps on the message (messageHeader)
+  size_t done = 0;    // bytes of header + payload handed over
+  size_t total() const { return sizeof(WireHeader) + spec->bytes; }
+};
+
+struct RecvProgress {
+  RecvSpec* spec;
+  WireHeader header{};
+  size_t headerDone = 0;
+  size_t dataDone = 0;
+  bool finished() const { return headerDone == sizeof(WireHeader) && dataDone == spec->bytes; }
+};
+
+// The header `op` stamps on the message of `send`.
+WireHeader messageHeader(const OpInfo& op, const SendSpec& send);
+
+// Fresh progress records for one exchange's sends (headers stamped) and receives.
+void startProgress(const OpInfo& op, std::vector<SendSpec>& sends, std::vector<RecvSpec>& recvs,
+                   std::vector<SendProgress>* sendProgress,
+                   std::vector<RecvProgress>* recvProgress);
+
+// When `op` timed out: the first transfer still open, as (peer, "timed out
+// after ... ms waiting to receive: got X of Y bytes ..."); peer -1 if none.
+std::pair<int, std::string> timeoutReport(const OpInfo& op, const std::vector<SendProgress>& sends,
+                                          const std::vector<RecvProgress>& recvs);
 
 // Completion of a point-to-point operation: sourceRank is the sender for
 // receives; error is null on success.

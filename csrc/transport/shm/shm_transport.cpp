@@ -95,20 +95,8 @@ inline void cpuRelax() {
 #endif
 }
 
-struct SendState {
-  const SendSpec* spec;
-  WireHeader header;
-  size_t done = 0;  // over header + payload
-  size_t total() const { return sizeof(WireHeader) + spec->bytes; }
-};
-
-struct RecvState {
-  RecvSpec* spec;
-  WireHeader header{};
-  size_t headerDone = 0;
-  size_t dataDone = 0;
-  bool finished() const { return headerDone == sizeof(WireHeader) && dataDone == spec->bytes; }
-};
+using SendState = SendProgress;
+using RecvState = RecvProgress;
 
 class ShmTransport : public Transport {
  public:
@@ -238,26 +226,8 @@ class ShmTransport : public Transport {
 
   [[noreturn]] void timeout(const OpInfo& op, const std::vector<SendState>& ss,
                             const std::vector<RecvState>& rs) {
-    for (auto& r : rs) {
-      if (!r.finished()) {
-        std::string got = "got " + std::to_string(r.dataDone) + " of " +
-                          std::to_string(r.spec->bytes) + " bytes";
-        if (r.headerDone < sizeof(WireHeader)) {
-          got += " (its message for step " + std::to_string(r.spec->step) + " has not started)";
-        }
-        tcp_->failOp(op, r.spec->peer, "timed out after " + std::to_string(op.timeout.count()) +
-                                           " ms waiting to receive: " + got);
-      }
-    }
-    for (auto& s : ss) {
-      if (s.done < s.total()) {
-        tcp_->failOp(op, s.spec->peer,
-                     "timed out after " + std::to_string(op.timeout.count()) +
-                         " ms sending: sent " + std::to_string(s.done) + " of " +
-                         std::to_string(s.total()) + " bytes (with header)");
-      }
-    }
-    tcp_->failOp(op, -1, "timed out");
+    auto [peer, what] = timeoutReport(op, ss, rs);
+    tcp_->failOp(op, peer, what);
   }
 
   void throwIfAborted(const OpInfo& op) {
@@ -286,14 +256,7 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
   throwIfAborted(op);
   std::vector<SendState> ss;
   std::vector<RecvState> rs;
-  for (auto& s : sends) {
-    WireHeader h{kWireMagic, static_cast<uint8_t>(op.kind), op.dtype, op.reduceOp, 0,
-                 op.ctx.seq, op.total, s.step, s.bytes};
-    ss.push_back({&s, h});
-  }
-  for (auto& r : recvs) {
-    rs.push_back({&r});
-  }
+  startProgress(op, sends, recvs, &ss, &rs);
   std::vector<int> peers;
   Doorbell& mine = bells_[rank_];
   auto idleSince = Clock::now();

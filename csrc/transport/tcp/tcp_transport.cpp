@@ -26,20 +26,8 @@ namespace {
 
 constexpr const char* kAbortKey = "abort";
 
-struct SendState {
-  const SendSpec* spec;
-  WireHeader header;
-  size_t done = 0;  // over header + payload
-  size_t total() const { return sizeof(WireHeader) + spec->bytes; }
-};
-
-struct RecvState {
-  RecvSpec* spec;
-  WireHeader header{};
-  size_t headerDone = 0;
-  size_t dataDone = 0;
-  bool finished() const { return headerDone == sizeof(WireHeader) && dataDone == spec->bytes; }
-};
+using SendState = SendProgress;
+using RecvState = RecvProgress;
 
 // Sends as much as the socket takes. Returns false on EOF/error with *err set.
 bool progressSend(int fd, SendState& s, std::string* err) {
@@ -136,14 +124,7 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
   }
   std::vector<SendState> ss;
   std::vector<RecvState> rs;
-  for (auto& s : sends) {
-    WireHeader h{kWireMagic, static_cast<uint8_t>(op.kind), op.dtype, op.reduceOp, 0,
-                 op.ctx.seq, op.total, s.step, s.bytes};
-    ss.push_back({&s, h});
-  }
-  for (auto& r : recvs) {
-    rs.push_back({&r});
-  }
+  startProgress(op, sends, recvs, &ss, &rs);
   std::vector<pollfd> pfds;
   std::vector<int> peerOf;
   while (true) {
@@ -168,26 +149,8 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
       throwTransportError(unusable(op, abortReason()));
     }
     if (ready == 0) {
-      // Name the first transfer still open, with its progress.
-      for (auto& r : rs) {
-        if (!r.finished()) {
-          std::string got = "got " + std::to_string(r.dataDone) + " of " +
-                            std::to_string(r.spec->bytes) + " bytes";
-          if (r.headerDone < sizeof(WireHeader)) {
-            got += " (its message for step " + std::to_string(r.spec->step) +
-                   " has not started)";
-          }
-          fail(op, r.spec->peer, "timed out after " + std::to_string(op.timeout.count()) +
-                                     " ms waiting to receive: " + got);
-        }
-      }
-      for (auto& s : ss) {
-        if (s.done < s.total()) {
-          fail(op, s.spec->peer, "timed out after " + std::to_string(op.timeout.count()) +
-                                     " ms sending: sent " + std::to_string(s.done) + " of " +
-                                     std::to_string(s.total()) + " bytes (with header)");
-        }
-      }
+      auto [peer, what] = timeoutReport(op, ss, rs);
+      fail(op, peer, what);
     }
     if (ready < 0 && errno != EINTR) {
       fail(op, -1, std::string("poll failed: ") + std::strerror(errno));
