@@ -253,8 +253,7 @@ class SyncBatchNorm(_BatchNorm):
         momentum = -1.0 if self.momentum is None else float(self.momentum)
         nbt = nbt if running_mean is not None else None
         weight, bias = _to_stat(self.weight, sd), _to_stat(self.bias, sd)
-        device_type = input.device.type
-        fused = _kernels(device_type).fused
+        fused = _kernels(input.device.type).fused
         if fused is not None:
             return fused(input, weight, bias, running_mean, running_var, nbt, self.eps,
                          momentum, group if world_size > 1 else None,

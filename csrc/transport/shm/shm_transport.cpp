@@ -111,8 +111,6 @@ class ShmTransport : public Transport {
     controls_ = reinterpret_cast<RingControl*>(p);
     p += sizeof(RingControl) * size_ * size_;
     data_ = p;
-    spinUs_ = tcp_->spinUs();
-    yieldUs_ = tcp_->yieldUs();
   }
 
   ~ShmTransport() override {
@@ -247,8 +245,6 @@ class ShmTransport : public Transport {
   Doorbell* bells_;
   RingControl* controls_;
   char* data_;
-  int64_t spinUs_ = 0;
-  int64_t yieldUs_ = 0;
 };
 
 void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
@@ -290,11 +286,11 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
     const auto now = Clock::now();
     const auto idleUs = std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince);
     if (now >= op.deadline) timeout(op, ss, rs);
-    if (idleUs.count() < spinUs_) {
+    if (idleUs.count() < tcp_->spinUs()) {
       cpuRelax();
       continue;
     }
-    if (idleUs.count() < spinUs_ + yieldUs_) {
+    if (idleUs.count() < tcp_->spinUs() + tcp_->yieldUs()) {
       sched_yield();
       continue;
     }
