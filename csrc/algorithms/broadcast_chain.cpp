@@ -5,6 +5,12 @@
 // its left while forwarding segment k-1 to its right, so after a one-segment
 // fill every link carries data at once. Bytes on the wire per rank: the
 // buffer once (the root and the last rank: once, in one direction).
+//
+// The root only sends, so it would never check a header of this op: the last
+// rank of the chain closes the ring with a payload-less acknowledgement once it
+// has received everything. The root's op completes when the whole chain has it,
+// and a root that disagrees with its peers (another op, another root) raises in
+// this op instead of the next.
 #include <algorithm>
 
 #include "algorithms/algorithms.h"
@@ -33,6 +39,8 @@ void broadcastChain(const Comm& c, char* data, size_t bytes, int root) {
       Block b = sliceOf(bytes, seg, k);
       recvs.push_back({recvFrom, data + b.offset, b.count, k, {}});
     }
+    if (k == segments && pos == 0) recvs.push_back({c.left(), nullptr, 0, kAckStep, {}});
+    if (k == segments && pos == c.size - 1) sends.push_back({c.right(), nullptr, 0, kAckStep});
     if (!sends.empty() || !recvs.empty()) {
       c.transport.exchange(c.op, sends, recvs);
     }

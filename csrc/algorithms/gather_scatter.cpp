@@ -3,7 +3,12 @@
 // gather/scatter: the root exchanges with every other rank at once (the
 // transport progresses all of them concurrently); a non-root sends or receives
 // one message. Bytes on the wire: (n-1)/n of the root's buffer, through the
-// root. alltoall: n-1 pairwise steps, in step s send to rank+s and receive from
+// root. A rank whose part is only sending (gather's non-roots, scatter's
+// root) then waits for a payload-less acknowledgement from the rank(s) that
+// received and checked its message; gather's root acknowledges once it has
+// every block, so its non-roots complete only when the gather has, and
+// scatter's root confirms to its non-roots once every rank has acknowledged.
+// alltoall: n-1 pairwise steps, in step s send to rank+s and receive from
 // rank-s, so every rank sends and receives exactly once per step.
 // barrier: dissemination, in round j signal rank+2^j and wait for rank-2^j;
 // after ceil(log2 n) rounds every rank has heard, transitively, from all.
@@ -38,6 +43,22 @@ void rootExchange(const Comm& c, const std::vector<char*>& blocks,
     move(root, blocks[c.rank], bytes[c.rank]);
   }
   c.transport.exchange(c.op, sends, recvs);
+  // The receivers acknowledge every message they checked.
+  std::vector<SendSpec> acks;
+  std::vector<RecvSpec> ackRecvs;
+  for (const auto& r : recvs) acks.push_back({r.peer, nullptr, 0, kAckStep});
+  for (const auto& s : sends) ackRecvs.push_back({s.peer, nullptr, 0, kAckStep, {}});
+  c.transport.exchange(c.op, acks, ackRecvs);
+  // Scatter's non-roots received data: they keep it only once the root has
+  // heard every rank's acknowledgement, so no rank returns data from a scatter
+  // the ranks disagreed on (a root of its own, another op).
+  if (!toRoot) {
+    std::vector<SendSpec> commits;
+    std::vector<RecvSpec> commitRecvs;
+    for (const auto& s : sends) commits.push_back({s.peer, nullptr, 0, kAckStep});
+    for (const auto& r : recvs) commitRecvs.push_back({r.peer, nullptr, 0, kAckStep, {}});
+    c.transport.exchange(c.op, commits, commitRecvs);
+  }
 }
 
 }  // namespace

@@ -39,6 +39,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& t
                                                       const c10d::AllreduceOptions& opts) {
   OpContext ctx = nextContext("allreduce", describe(tensors));
   const at::Tensor t = single(ctx, tensors, "input");
+  checkWritable(ctx, t, "input");
   ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
   OpInfo op = makeOp(OpKind::kAllreduce, "allreduce", t, wireOp(opts.reduceOp), t.numel());
   auto reduceOp = opts.reduceOp;
@@ -59,6 +60,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
   for (size_t i = 0; i < tensors.size(); ++i) {
     checkLike(ctx, tensors[i], tensors[0].scalar_type(), tensors[i].numel(),
               "tensor " + std::to_string(i));
+    checkWritable(ctx, tensors[i], "tensor " + std::to_string(i));
     total += tensors[i].numel();
   }
   ReduceFn fn = checkReduce(ctx, tensors[0].scalar_type(), opts.reduceOp);
@@ -85,8 +87,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
   const at::Tensor t = single(ctx, tensors, "input");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
   RR_CHECK_VALUE(opts.rootTensor == 0, ctx, "rootTensor must be 0, got ", opts.rootTensor);
-  OpInfo op = makeOp(OpKind::kBroadcast, "broadcast", t, kNoReduceOp, t.numel());
   int root = static_cast<int>(opts.rootRank);
+  if (getRank() != root) checkWritable(ctx, t, "input");
+  OpInfo op = makeOp(OpKind::kBroadcast, "broadcast", t, kNoReduceOp, t.numel(), root);
   return enqueue(std::move(op), opts.timeout, OpType::BROADCAST, tensors, opts.asyncOp,
                  [t, root](const Comm& c) {
                    at::Tensor s = staged(t);
@@ -101,8 +104,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tens
   const at::Tensor t = single(ctx, tensors, "input");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
   ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
-  OpInfo op = makeOp(OpKind::kReduce, "reduce", t, wireOp(opts.reduceOp), t.numel());
   int root = static_cast<int>(opts.rootRank);
+  if (getRank() == root) checkWritable(ctx, t, "input");
+  OpInfo op = makeOp(OpKind::kReduce, "reduce", t, wireOp(opts.reduceOp), t.numel(), root);
   auto reduceOp = opts.reduceOp;
   return enqueue(std::move(op), opts.timeout, OpType::REDUCE, tensors, opts.asyncOp,
                  [t, fn, root, reduceOp](const Comm& c) {
@@ -123,6 +127,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
   const at::Tensor in = single(ctx, inputs, "input");
   RR_CHECK_VALUE(outputs.size() == 1, ctx, "expected one output list, got ", outputs.size());
   checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
+  for (const auto& t : outputs[0]) checkWritable(ctx, t, "output tensor");
   OpInfo op = makeOp(OpKind::kAllgather, "allgather", in, kNoReduceOp, in.numel());
   auto outs = outputs[0];
   return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER, outs, opts.asyncOp,
@@ -142,6 +147,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
   checkTensor(ctx, input, "input");
   checkLike(ctx, output, input.scalar_type(), input.numel() * getSize(),
             "output (world size x input)");
+  checkWritable(ctx, output, "output");
   OpInfo op = makeOp(OpKind::kAllgather, "allgather_into_tensor", input, kNoReduceOp,
                      input.numel());
   at::Tensor in = input, out = output;
@@ -176,6 +182,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
     for (size_t j = 0; j < inputs.size(); ++j) {
       checkLike(ctx, outputLists[r][j], inputs[0].scalar_type(), inputs[j].numel(),
                 "output " + std::to_string(r) + "/" + std::to_string(j));
+      checkWritable(ctx, outputLists[r][j], "output " + std::to_string(r) + "/" + std::to_string(j));
     }
   }
   OpInfo op = makeOp(OpKind::kAllgather, "allgather_coalesced", inputs[0], kNoReduceOp, total);
@@ -210,15 +217,20 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
   int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> outs;
   if (getRank() == root) {
-    RR_CHECK_VALUE(outputs.size() == 1, ctx, "the root needs one output list, got ",
-                   outputs.size());
-    checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
+    // Only the root sees these: a problem here fails the whole group (the
+    // other ranks are already in the op) with the root's message.
+    rootOnlyChecks(ctx, [&] {
+      RR_CHECK_VALUE(outputs.size() == 1, ctx, "the root needs one output list, got ",
+                     outputs.size());
+      checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
+      for (const auto& t : outputs[0]) checkWritable(ctx, t, "output tensor");
+    });
     outs = outputs[0];
   } else {
     RR_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), ctx,
                    "only the root (rank ", root, ") takes output tensors");
   }
-  OpInfo op = makeOp(OpKind::kGather, "gather", in, kNoReduceOp, in.numel());
+  OpInfo op = makeOp(OpKind::kGather, "gather", in, kNoReduceOp, in.numel(), root);
   return enqueue(std::move(op), opts.timeout, OpType::GATHER, outs, opts.asyncOp,
                  [in, outs, root](const Comm& c) {
                    std::vector<size_t> bytes(c.size, nbytes(in));
@@ -241,19 +253,22 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& out
                                                     const c10d::ScatterOptions& opts) {
   OpContext ctx = nextContext("scatter", describe(outputs));
   const at::Tensor out = single(ctx, outputs, "output");
+  checkWritable(ctx, out, "output");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
   int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> ins;
   if (getRank() == root) {
-    RR_CHECK_VALUE(inputs.size() == 1, ctx, "the root needs one input list, got ",
-                   inputs.size());
-    checkList(ctx, inputs[0], getSize(), out.scalar_type(), out.numel(), "input");
+    rootOnlyChecks(ctx, [&] {
+      RR_CHECK_VALUE(inputs.size() == 1, ctx, "the root needs one input list, got ",
+                     inputs.size());
+      checkList(ctx, inputs[0], getSize(), out.scalar_type(), out.numel(), "input");
+    });
     ins = inputs[0];
   } else {
     RR_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), ctx,
                    "only the root (rank ", root, ") takes input tensors");
   }
-  OpInfo op = makeOp(OpKind::kScatter, "scatter", out, kNoReduceOp, out.numel());
+  OpInfo op = makeOp(OpKind::kScatter, "scatter", out, kNoReduceOp, out.numel(), root);
   return enqueue(std::move(op), opts.timeout, OpType::SCATTER, outputs, opts.asyncOp,
                  [ins, out, root](const Comm& c) {
                    std::vector<size_t> bytes(c.size, nbytes(out));

@@ -60,6 +60,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
   const at::Tensor out = single(ctx, outputs, "output");
   RR_CHECK_VALUE(inputs.size() == 1, ctx, "expected one input list, got ", inputs.size());
   checkList(ctx, inputs[0], getSize(), out.scalar_type(), out.numel(), "input");
+  checkWritable(ctx, out, "output");
   ReduceFn fn = checkReduce(ctx, out.scalar_type(), opts.reduceOp);
   OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter", out,
                      static_cast<uint8_t>(opts.reduceOp.op_), out.numel());
@@ -79,6 +80,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
   checkTensor(ctx, output, "output");
   checkLike(ctx, input, output.scalar_type(), output.numel() * getSize(),
             "input (world size x output)");
+  checkWritable(ctx, output, "output");
   ReduceFn fn = checkReduce(ctx, output.scalar_type(), opts.reduceOp);
   OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor", output,
                      static_cast<uint8_t>(opts.reduceOp.op_), output.numel());
@@ -96,7 +98,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
                                                           const c10d::AllToAllOptions& opts) {
   OpContext ctx = nextContext("alltoall_base", describe(input));
   checkTensor(ctx, input, "input");
-  checkTensor(ctx, output, "output");
+  checkWritable(ctx, output, "output");
   RR_CHECK_VALUE(input.scalar_type() == output.scalar_type(), ctx, "output dtype ",
                  dtypeName(output.scalar_type()), " differs from input dtype ",
                  dtypeName(input.scalar_type()));
@@ -137,6 +139,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& ou
               "input " + std::to_string(i));
     checkLike(ctx, outputs[i], inputs[0].scalar_type(), outputs[i].numel(),
               "output " + std::to_string(i));
+    checkWritable(ctx, outputs[i], "output " + std::to_string(i));
     sendBytes.push_back(nbytes(inputs[i]));
     recvBytes.push_back(nbytes(outputs[i]));
   }

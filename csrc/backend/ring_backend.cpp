@@ -28,9 +28,14 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   segmentBytes_ = static_cast<size_t>(segment);
   // Ranks all on this host talk through shared memory; the TCP mesh stays up
   // underneath for point-to-point and for spreading failures.
+  // One deadline for the whole set-up: the group timeout bounds it all.
+  const auto started = std::chrono::steady_clock::now();
   auto tcp = std::make_unique<tcp::TcpTransport>(store, rank, size, timeout);
   tcp_ = tcp.get();
-  transport_ = shm::overSharedMemory(std::move(tcp), store, rank, size, timeout);
+  auto left = timeout - std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::steady_clock::now() - started);
+  transport_ = shm::overSharedMemory(std::move(tcp), store, rank, size,
+                                     std::max(left, std::chrono::milliseconds(1)));
   worker_ = std::thread([this] { workerLoop(); });
 }
 
@@ -76,15 +81,29 @@ OpContext RingBackend::nextContext(const char* name, const std::string& tensor) 
 }
 
 OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
-                           uint64_t total) {
+                           uint64_t total, int32_t root) {
   OpInfo op;
   std::lock_guard<std::mutex> lock(mu_);
   op.ctx = OpContext{getRank(), getSize(), name, ++seq_, t.defined() ? describe(t) : ""};
   op.kind = kind;
   op.dtype = t.defined() ? static_cast<uint8_t>(t.scalar_type()) : 0;
   op.reduceOp = reduceOp;
+  op.root = root;
   op.total = total;
   return op;
+}
+
+void RingBackend::rootOnlyChecks(const OpContext& ctx, const std::function<void()>& checks) {
+  try {
+    checks();
+  } catch (const c10::Error& err) {
+    if (getSize() > 1) {
+      transport_->abort(std::string(err.what_without_backtrace()) +
+                        " (the root rejected its arguments; its peers cannot finish " +
+                        ctx.op + "#" + std::to_string(ctx.seq) + ")");
+    }
+    throw;
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
@@ -116,11 +135,16 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
 }
 
 void RingBackend::runEntry(Entry& e) {
+  // The op writes into the caller's tensors outside autograd, as gloo's
+  // kernels do: leaves that require grad, their views and AVG's in-place
+  // division are fine in any grad mode of the calling thread.
+  at::NoGradGuard noGrad;
   e.op.timeout = e.timeout;
   e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
   Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_};
   try {
     e.run(comm);
+    transport_->confirm(e.op);
     e.work->complete();
   } catch (const std::exception& err) {
     // A rank that fails mid-op has left the protocol: abort, so its peers
@@ -165,6 +189,10 @@ std::string RingBackend::listenAddress() const {
 
 std::vector<std::string> RingBackend::refusedConnections() const {
   return tcp_->refusedConnections();
+}
+
+uint64_t RingBackend::refusedCount() const {
+  return tcp_->refusedCount();
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -215,6 +243,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
                                                      int srcRank, int tag) {
   OpContext ctx{getRank(), getSize(), "recv", p2pSeq_ + 1, describe(tensors)};
   const at::Tensor& t = single(ctx, tensors, "recv");
+  checkWritable(ctx, t, "recv");
   RR_CHECK_VALUE(getSize() > 1, ctx, "no peer to receive from in a group of one");
   std::string from = srcRank < 0 ? "any rank" : "rank " + std::to_string(srcRank);
   OpInfo op;
@@ -234,6 +263,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
                            return;
                          }
                          try {
+                           at::NoGradGuard noGrad;
                            writeBack(t, s);
                          } catch (...) {
                            work->fail(std::current_exception());

@@ -89,6 +89,7 @@ class RingBackend : public c10d::Backend {
   // "shm" when collectives go through shared memory, else "tcp".
   std::string transportKind() const;
   std::vector<std::string> refusedConnections() const;
+  uint64_t refusedCount() const;
 
  private:
   using Job = std::function<void(const Comm&)>;
@@ -103,7 +104,11 @@ class RingBackend : public c10d::Backend {
   OpContext nextContext(const char* name, const std::string& tensor) const;
   // Builds the wire identity of a collective and consumes a sequence number.
   OpInfo makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
-                uint64_t total);
+                uint64_t total, int32_t root = kNoRoot);
+  // Runs argument checks only the root of an op makes: a failure aborts the
+  // group with the root's message (its peers are already in the op and would
+  // otherwise wait for the timeout), then raises on the root as usual.
+  void rootOnlyChecks(const OpContext& ctx, const std::function<void()>& checks);
   // Queues the op for the worker; a synchronous op (asyncOp false) finding
   // the worker idle runs inline on the caller's thread instead, saving two
   // thread hand-offs (the latency of small collectives).

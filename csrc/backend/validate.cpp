@@ -1,5 +1,7 @@
 #include "backend/validate.h"
 
+#include <ATen/MemoryOverlap.h>
+
 namespace ringreduce {
 
 void checkTensor(const OpContext& ctx, const at::Tensor& t, const std::string& what) {
@@ -12,6 +14,15 @@ void checkTensor(const OpContext& ctx, const at::Tensor& t, const std::string& w
   // Every dtype we move has a SUM kernel (bool's is OR), so that is the test.
   RR_CHECK_VALUE(reduceFunction(t.scalar_type(), c10d::ReduceOp::SUM, nullptr) != nullptr, ctx,
                  what, " has unsupported dtype ", dtypeName(t.scalar_type()));
+}
+
+void checkWritable(const OpContext& ctx, const at::Tensor& t, const std::string& what) {
+  checkTensor(ctx, t, what);
+  RR_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, ctx, what, " is ",
+                 describe(t),
+                 ", whose elements overlap in memory (expanded or a self-overlapping view): "
+                 "the op writes into it, so pass a tensor that owns its elements "
+                 "(e.g. .clone())");
 }
 
 const at::Tensor& single(const OpContext& ctx, const std::vector<at::Tensor>& ts,

@@ -15,6 +15,9 @@ namespace ringreduce {
 
 // A defined, dense CPU tensor of a supported dtype.
 void checkTensor(const OpContext& ctx, const at::Tensor& t, const std::string& what);
+// A tensor the op writes into: checkTensor-valid and not expanded or
+// otherwise self-overlapping (one element would receive several results).
+void checkWritable(const OpContext& ctx, const at::Tensor& t, const std::string& what);
 // Exactly one tensor (c10d's multi-tensor-per-process form is not supported).
 const at::Tensor& single(const OpContext& ctx, const std::vector<at::Tensor>& ts,
                          const std::string& what);

@@ -5,6 +5,7 @@
 
 #include "algorithms/segments.h"
 #include "backend/ring_backend.h"
+#include "transport/shm/shm_transport.h"
 #include "kernels/sync_bn.h"
 #include "ops/sync_batch_norm.h"
 
@@ -29,7 +30,14 @@ PYBIND11_MODULE(_C, m) {
            "'shm' when collectives go through shared memory (every rank on this host), "
            "else 'tcp'")
       .def("refused_connections", &ringreduce::RingBackend::refusedConnections,
-           "Why each refused (unauthenticated) connection was refused");
+           "Why the most recent refused (unauthenticated) connections were refused")
+      .def("refused_connection_count", &ringreduce::RingBackend::refusedCount,
+           "How many connections were refused (or not accepted) in all");
+
+  m.def(
+      "_shm_test_die_after_create",
+      [](bool on) { ringreduce::shm::hooks().dieAfterCreate = on; },
+      "Testing only: rank 0 SIGKILLs itself right after creating a shared-memory segment");
 
 #ifdef RINGREDUCE_WITH_CUDA
   m.attr("with_cuda") = py::bool_(true);

@@ -10,11 +10,23 @@ std::string headerMismatch(const OpInfo& op, const RecvSpec& spec, const WireHea
     return "protocol error: bad message magic (not a ringreduce message, or the stream "
            "lost its framing)";
   }
+  if (h.kind == static_cast<uint8_t>(OpKind::kAbort)) {
+    return "the peer abandoned its op #" + std::to_string(h.seq) +
+           " (it timed out or failed there)";
+  }
   if (h.kind != static_cast<uint8_t>(op.kind) || h.seq != op.ctx.seq) {
     return "collective mismatch: the peer is running " +
            std::string(opKindName(static_cast<OpKind>(h.kind))) + "#" + std::to_string(h.seq) +
            ", this rank " + op.ctx.op + "#" + std::to_string(op.ctx.seq) +
            " (every rank must issue the same collectives in the same order)";
+  }
+  if (h.root != op.root) {
+    auto name = [](int32_t r) {
+      return r == kNoRoot ? std::string("none") : "rank " + std::to_string(r);
+    };
+    return "root mismatch: the peer's " + std::string(op.ctx.op) + "#" +
+           std::to_string(op.ctx.seq) + " has root " + name(h.root) + ", this rank's has root " +
+           name(op.root) + " (every rank must pass the same src/dst)";
   }
   if (h.dtype != op.dtype) {
     return "dtype mismatch: got " + dtypeName(static_cast<c10::ScalarType>(h.dtype)) +
@@ -33,16 +45,19 @@ std::string headerMismatch(const OpInfo& op, const RecvSpec& spec, const WireHea
            std::to_string(op.total);
   }
   if (h.step != spec.step || h.bytes != spec.bytes) {
-    return "byte count mismatch: got " + std::to_string(h.bytes) + " (step " +
-           std::to_string(h.step) + "), expected " + std::to_string(spec.bytes) + " (step " +
-           std::to_string(spec.step) + ")";
+    auto what = [](uint64_t bytes, uint64_t step) {
+      return step == kAckStep ? std::string("an acknowledgement")
+                              : std::to_string(bytes) + " (step " + std::to_string(step) + ")";
+    };
+    return "byte count mismatch: got " + what(h.bytes, h.step) + ", expected " +
+           what(spec.bytes, spec.step);
   }
   return "";
 }
 
 WireHeader messageHeader(const OpInfo& op, const SendSpec& send) {
   return WireHeader{kWireMagic, static_cast<uint8_t>(op.kind), op.dtype, op.reduceOp, 0,
-                    op.ctx.seq, op.total, send.step, send.bytes};
+                    op.root,    0,        op.ctx.seq,  op.total,   send.step, send.bytes};
 }
 
 void startProgress(const OpInfo& op, std::vector<SendSpec>& sends, std::vector<RecvSpec>& recvs,
@@ -56,6 +71,10 @@ std::pair<int, std::string> timeoutReport(const OpInfo& op, const std::vector<Se
                                           const std::vector<RecvProgress>& recvs) {
   const std::string after = "timed out after " + std::to_string(op.timeout.count()) + " ms ";
   for (auto& r : recvs) {
+    if (!r.finished() && r.spec->step == kAckStep) {
+      return {r.spec->peer, after + "waiting for its acknowledgement (it has not finished its "
+                                    "part of this op)"};
+    }
     if (!r.finished()) {
       std::string got = "got " + std::to_string(r.dataDone) + " of " +
                         std::to_string(r.spec->bytes) + " bytes";
@@ -90,6 +109,7 @@ const char* opKindName(OpKind kind) {
     case OpKind::kAlltoall: return "alltoall";
     case OpKind::kBarrier: return "barrier";
     case OpKind::kSend: return "send/recv";
+    case OpKind::kAbort: return "abort";
   }
   return "unknown-op";
 }

@@ -28,7 +28,8 @@ enum class OpKind : uint8_t {
   kReduceScatter,
   kAlltoall,
   kBarrier,
-  kSend,  // point-to-point (send/recv/recvAnysource)
+  kSend,   // point-to-point (send/recv/recvAnysource)
+  kAbort,  // written after a failing rank's last whole message: "I abandoned op #seq"
 };
 
 const char* opKindName(OpKind kind);
@@ -42,16 +43,24 @@ struct WireHeader {
   uint8_t dtype;     // c10::ScalarType
   uint8_t reduceOp;  // c10d::ReduceOp::RedOpType, kNoReduceOp when none
   uint8_t reserved;
+  int32_t root;      // the op's root rank (broadcast, reduce, gather, scatter), kNoRoot if none
+  uint32_t reserved2;
   uint64_t seq;      // collective sequence number (p2p: per-pair message index)
   uint64_t total;    // op-wide element count both sides must agree on, kUnchecked if none
-  uint64_t step;     // ring step / chunk index (p2p: the tag)
+  uint64_t step;     // ring step / chunk index (p2p: the tag); kAckStep for an acknowledgement
   uint64_t bytes;    // payload bytes that follow
 };
-static_assert(sizeof(WireHeader) == 40, "WireHeader must stay 40 bytes");
+static_assert(sizeof(WireHeader) == 48, "WireHeader must stay 48 bytes");
 
 constexpr uint32_t kWireMagic = 0x52524431;  // "RRD1"
 constexpr uint8_t kNoReduceOp = 0xff;
 constexpr uint64_t kUnchecked = ~uint64_t{0};
+constexpr int32_t kNoRoot = -1;
+// The step of an acknowledgement: a payload-less message a receiver sends back
+// once it has checked the op's headers, so a rank whose part of an op is only
+// sending (a broadcast's root, gather's non-roots, scatter's root) learns in the
+// same op whether its peers ran the same op.
+constexpr uint64_t kAckStep = ~uint64_t{0} - 1;
 
 // What every message of one op agrees on; the transport stamps it on sends and
 // checks it on receives.
@@ -60,6 +69,7 @@ struct OpInfo {
   OpKind kind = OpKind::kBarrier;
   uint8_t dtype = 0;
   uint8_t reduceOp = kNoReduceOp;
+  int32_t root = kNoRoot;
   uint64_t total = kUnchecked;
   std::chrono::milliseconds timeout{0};  // the deadline's distance from the op's start
   std::chrono::steady_clock::time_point deadline;
@@ -141,6 +151,12 @@ class Transport {
                         size_t bytes, P2PCallback done) = 0;
   virtual void postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, size_t bytes,
                         P2PCallback done) = 0;
+
+  // Called after an op's transfers all completed, before its Work succeeds:
+  // throws (as exchange() does) if a peer abandoned the op meanwhile (it timed
+  // out or failed), so that one op never has two outcomes. Cheap: a flag or
+  // one poll() over the peers' connections.
+  virtual void confirm(const OpInfo& op) { (void)op; }
 
   // Makes every pending and later transfer fail with `reason` and closes the
   // connections so peers notice at once. Safe from any thread; idempotent.

@@ -9,11 +9,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <dirent.h>
+#include <signal.h>
+
 #include <atomic>
-#include <new>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <new>
 #include <thread>
 
 #include "common/env.h"
@@ -135,6 +138,10 @@ class ShmTransport : public Transport {
     tcp_->postRecv(op, peer, tag, data, bytes, std::move(done));
   }
 
+  // Every rank that fails an op raises the segment's flag before anything
+  // else, so a flag still down means no peer abandoned this op.
+  void confirm(const OpInfo& op) override { throwIfAborted(op); }
+
   void abort(const std::string& reason) override {
     header_->aborted.store(1);
     for (int r = 0; r < size_; ++r) ring(r);
@@ -225,7 +232,7 @@ class ShmTransport : public Transport {
   [[noreturn]] void timeout(const OpInfo& op, const std::vector<SendState>& ss,
                             const std::vector<RecvState>& rs) {
     auto [peer, what] = timeoutReport(op, ss, rs);
-    tcp_->failOp(op, peer, what);
+    tcp_->failTimeout(op, peer, what);
   }
 
   void throwIfAborted(const OpInfo& op) {
@@ -363,36 +370,84 @@ void* mapSegment(const std::string& name, size_t bytes, bool create, std::string
   return base;
 }
 
-std::string storeString(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
-  auto v = store->get(key);  // blocks up to the store's timeout
-  return std::string(v.begin(), v.end());
+// The segment name's prefix for this pid namespace: names carry the
+// creator's pid, so a later start can tell a dead creator's leftovers.
+std::string segmentPrefix() {
+  struct stat st {};
+  unsigned long ns = ::stat("/proc/self/ns/pid", &st) == 0 ? st.st_ino : 0;
+  return "ringreduce-" + std::to_string(ns) + "-";
 }
 
-// Waits until the counter `key` reaches `target`; false on timeout.
-bool waitCount(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
-               int64_t target, Clock::time_point deadline) {
-  while (store->add(key, 0) < target) {
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+// Unlinks segments of this pid namespace whose creator is gone: the name of a
+// group whose ranks all died before unlinking it (a crash during set-up).
+void reclaimStaleSegments() {
+  const std::string prefix = segmentPrefix();
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const long pid = std::atol(name.c_str() + prefix.size());
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      ::shm_unlink(("/" + name).c_str());
+    }
   }
-  return true;
+  ::closedir(dir);
+}
+
+// Waits for the store key `key`, watching the TCP mesh meanwhile: a peer that
+// died (its connections closed) makes this give up at once. Returns "" when
+// the key appeared, else why not (`missing` at the deadline).
+std::string waitWatching(tcp::TcpTransport& tcp, const std::string& key, int rank, int size,
+                         Clock::time_point deadline, const std::string& missing) {
+  std::vector<int> peers;
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) peers.push_back(r);
+  }
+  while (true) {
+    const auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+    if (tcp.store().waitFor(key, slice, "setting up shared memory")) return "";
+    const int gone = tcp.closedPeer(peers);
+    if (gone >= 0) {
+      return "rank " + std::to_string(gone) + " left during the set-up (it died or failed)";
+    }
+    if (Clock::now() >= deadline) return missing;
+  }
 }
 
 }  // namespace
+
+// Test seams, set from Python by the fault tests only.
+ShmTestHooks& hooks() {
+  static ShmTestHooks h;
+  return h;
+}
 
 std::unique_ptr<Transport> overSharedMemory(std::unique_ptr<tcp::TcpTransport> tcp,
                                             const c10::intrusive_ptr<c10d::Store>& store,
                                             int rank, int size,
                                             std::chrono::milliseconds timeout) {
+  (void)store;  // every call goes through tcp->store(), bounded by the deadline
   if (size <= 1 || envInt(kEnvShm, 1) == 0) return tcp;
   const auto deadline = Clock::now() + timeout;
   const std::string prefix = rankPrefix(rank, size);
+  StoreCalls& st = tcp->store();
+  const std::string what = "setting up shared memory";
+  // Reads a key another rank sets, giving up early if a peer dies.
+  auto getWatched = [&](const std::string& key, const std::string& missing) {
+    std::string why = waitWatching(*tcp, key, rank, size, deadline, missing);
+    if (!why.empty()) throwTransportError(prefix + " " + what + ": " + why);
+    return st.get(key, deadline, what, missing);
+  };
   // 1. Same host? Every rank publishes its identity and reads all of them, so
   //    all ranks reach the same answer.
   const std::string me = hostIdentity();
-  store->set(tcp->storeKey("shm/host/" + std::to_string(rank)), me);
+  st.set(tcp->storeKey("shm/host/" + std::to_string(rank)), me, deadline, what);
   for (int r = 0; r < size; ++r) {
-    const std::string theirs = storeString(store, tcp->storeKey("shm/host/" + std::to_string(r)));
+    const std::string theirs =
+        getWatched(tcp->storeKey("shm/host/" + std::to_string(r)),
+                   "rank " + std::to_string(r) +
+                       " did not publish its host within the group timeout (did it die?)");
     if (theirs != me) {
       if (debugEnabled()) {
         fprintf(stderr, "%s shared memory not used: rank %d is on another host (%s, here %s)\n",
@@ -409,13 +464,17 @@ std::unique_ptr<Transport> overSharedMemory(std::unique_ptr<tcp::TcpTransport> t
   }
   ringBytes = std::max<int64_t>(kMinRingBytes, ringBytes / 64 * 64);
   const size_t bytes = ShmTransport::segmentBytes(size, ringBytes);
-  // 3. Rank 0 creates the segment; every rank maps it and reports; all use it
-  //    only if all mapped it. Rank 0 unlinks it once all have reported.
+  // 3. Rank 0 publishes the name, then creates the segment; every rank maps
+  //    it and reports; all use it only if all mapped it. The name is in the
+  //    store before the segment exists, so whichever rank outlives a crash can
+  //    unlink it; every rank does, once all have reported or given up.
   std::string name, why;
   void* base = nullptr;
   if (rank == 0) {
-    name = "/ringreduce-" + std::to_string(::getpid()) + "-" +
+    reclaimStaleSegments();
+    name = "/" + segmentPrefix() + std::to_string(::getpid()) + "-" +
            std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
+    st.set(tcp->storeKey("shm/name"), name, deadline, what);
     base = mapSegment(name, bytes, true, &why);
     if (base != nullptr) {
       auto* h = new (base) SegmentHeader();
@@ -424,11 +483,22 @@ std::unique_ptr<Transport> overSharedMemory(std::unique_ptr<tcp::TcpTransport> t
       h->ringBytes = ringBytes;
       h->aborted.store(0);
       // Doorbells and ring counters start at zero (fresh pages are zeroed).
+      if (hooks().dieAfterCreate) ::raise(SIGKILL);
     }
-    store->set(tcp->storeKey("shm/name"), base != nullptr ? name : std::string());
+    st.set(tcp->storeKey("shm/created"), base != nullptr ? "1" : "0", deadline, what);
   } else {
-    name = storeString(store, tcp->storeKey("shm/name"));
-    if (!name.empty()) {
+    name = getWatched(tcp->storeKey("shm/name"),
+                      "rank 0 did not name the shared-memory segment within the group timeout");
+    std::string created;
+    try {
+      created = getWatched(tcp->storeKey("shm/created"),
+                           "rank 0 did not create the shared-memory segment within the group "
+                           "timeout");
+    } catch (...) {
+      ::shm_unlink(name.c_str());  // rank 0 may have died after creating it
+      throw;
+    }
+    if (created == "1") {
       base = mapSegment(name, bytes, false, &why);
       auto* h = static_cast<SegmentHeader*>(base);
       if (base != nullptr && (h->magic != kSegmentMagic || h->size != size ||
@@ -439,11 +509,19 @@ std::unique_ptr<Transport> overSharedMemory(std::unique_ptr<tcp::TcpTransport> t
       }
     }
   }
-  store->add(tcp->storeKey("shm/ok"), base != nullptr ? 1 : 0);
-  store->add(tcp->storeKey("shm/reported"), 1);
-  const bool allReported = waitCount(store, tcp->storeKey("shm/reported"), size, deadline);
-  if (rank == 0 && base != nullptr) ::shm_unlink(name.c_str());
-  const bool allMapped = allReported && store->add(tcp->storeKey("shm/ok"), 0) == size;
+  st.add(tcp->storeKey("shm/ok"), base != nullptr ? 1 : 0, deadline, what);
+  if (st.add(tcp->storeKey("shm/reported"), 1, deadline, what) == size) {
+    st.set(tcp->storeKey("shm/all"), "1", deadline, what);
+  }
+  const std::string missing =
+      waitWatching(*tcp, tcp->storeKey("shm/all"), rank, size, deadline,
+                   "not every rank reported within the group timeout");
+  if (!name.empty()) ::shm_unlink(name.c_str());  // idempotent; the mappings stay
+  if (!missing.empty()) {
+    if (base != nullptr) ::munmap(base, bytes);
+    throwTransportError(prefix + " " + what + ": " + missing);
+  }
+  const bool allMapped = st.add(tcp->storeKey("shm/ok"), 0, deadline, what) == size;
   if (!allMapped) {
     if (base != nullptr) ::munmap(base, bytes);
     if (debugEnabled()) {

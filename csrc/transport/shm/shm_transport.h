@@ -32,6 +32,12 @@ constexpr const char* kEnvShm = "RINGREDUCE_SHM";
 // RINGREDUCE_SHM_RING_BYTES: bytes of each ring buffer (per ordered pair).
 constexpr const char* kEnvShmRingBytes = "RINGREDUCE_SHM_RING_BYTES";
 
+// Test seams (the fault tests set them directly; never an environment variable).
+struct ShmTestHooks {
+  bool dieAfterCreate = false;  // rank 0 SIGKILLs itself right after creating the segment
+};
+ShmTestHooks& hooks();
+
 // The transport for the group: shared memory over `tcp` when every rank is on
 // this host and every rank mapped the segment (all ranks decide alike through
 // the store), else `tcp` itself. Collective: every rank calls it.

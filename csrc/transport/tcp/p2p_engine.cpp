@@ -31,12 +31,14 @@ bool retryable() {
 }  // namespace
 
 P2PEngine::P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::string> addrs,
-                     std::function<void(const std::string&)> onFatal)
+                     std::function<void(const std::string&)> onFatal,
+                     std::function<std::string(const std::string&)> explain)
     : rank_(rank),
       size_(size),
       fds_(std::move(fds)),
       addrs_(std::move(addrs)),
       onFatal_(std::move(onFatal)),
+      explain_(std::move(explain)),
       sends_(size),
       incoming_(size),
       sendSeq_(size, 0) {
@@ -75,7 +77,7 @@ void P2PEngine::postSend(const OpInfo& op, int peer, uint64_t tag, const void* d
     failed = failed_;
     if (failed.empty()) {
       WireHeader h{kWireMagic, static_cast<uint8_t>(OpKind::kSend), op.dtype, kNoReduceOp, 0,
-                   sendSeq_[peer]++, kUnchecked, tag, bytes};
+                   kNoRoot, 0, sendSeq_[peer]++, kUnchecked, tag, bytes};
       sends_[peer].push_back({op, h, static_cast<const char*>(data), 0, std::move(done)});
     }
   }
@@ -129,8 +131,12 @@ void P2PEngine::failAll(const std::string& reason, std::vector<Completion>& done
 }
 
 void P2PEngine::fatal(const std::string& reason, std::vector<Completion>& done) {
-  if (fatal_.empty() && failed_.empty()) fatal_ = reason;
-  failAll(reason, done);
+  if (!failed_.empty()) return;  // already failed: that error stands
+  // Runs under mu_: the lookup is bounded (a fraction of a second) and happens
+  // once, on the way to failing everything.
+  const std::string full = explain_ ? reason + explain_(reason) : reason;
+  if (fatal_.empty()) fatal_ = full;
+  failAll(full, done);
 }
 
 bool P2PEngine::wantsRead(int peer) const {

@@ -21,9 +21,12 @@ class P2PEngine {
  public:
   // fds: one connected socket per peer (-1 for self); addrs: for messages.
   // onFatal runs (on the engine thread, no lock held) when a connection breaks,
-  // so the owner can abort the whole transport.
+  // so the owner can abort the whole transport. explain(reason) returns what
+  // to append to a broken connection's error (the group's first error, looked
+  // up with a short deadline), so a rank far from the failure names it.
   P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::string> addrs,
-            std::function<void(const std::string&)> onFatal);
+            std::function<void(const std::string&)> onFatal,
+            std::function<std::string(const std::string&)> explain);
   ~P2PEngine();
 
   void postSend(const OpInfo& op, int peer, uint64_t tag, const void* data, size_t bytes,
@@ -86,6 +89,7 @@ class P2PEngine {
   std::string failed_;                   // set once aborted
   std::string fatal_;                    // to report through onFatal_, outside the lock
   std::function<void(const std::string&)> onFatal_;
+  std::function<std::string(const std::string&)> explain_;
   bool stopping_ = false;
   std::thread thread_;
 };

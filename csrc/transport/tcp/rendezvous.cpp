@@ -48,6 +48,15 @@ namespace {
 constexpr uint32_t kHelloMagic = 0x52524845;  // "RRHE"
 constexpr uint32_t kProtocolVersion = 1;
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+// accept() failing for want of descriptors (EMFILE, ENFILE) or memory leaves
+// the connection queued and the socket readable: the loop stops watching it
+// for a while (doubling up to the maximum) instead of spinning on it.
+constexpr auto kAcceptBackoffMin = std::chrono::milliseconds(10);
+constexpr auto kAcceptBackoffMax = std::chrono::milliseconds(1000);
+// Refusals print one line each up to this many, then at most one summary line
+// a second.
+constexpr uint64_t kRefusalsPrinted = 20;
+constexpr auto kRefusalLogInterval = std::chrono::seconds(1);
 
 std::string randomHex(size_t bytes) {
   std::vector<unsigned char> raw(bytes);
@@ -84,15 +93,11 @@ std::string storeHost(const c10::intrusive_ptr<c10d::Store>& store) {
   return tcp != nullptr ? tcp->getHost() : "";
 }
 
-std::string toString(const std::vector<uint8_t>& v) {
-  return std::string(v.begin(), v.end());
-}
-
 }  // namespace
 
 TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                            std::chrono::milliseconds timeout)
-    : store_(std::move(store)), rank_(rank), size_(size) {
+    : store_(std::move(store), rankPrefix(rank, size)), rank_(rank), size_(size) {
   for (auto& channel : fds_) channel.assign(size, -1);
   peerAddr_.assign(size, "");
   const bool coresToSpare = static_cast<unsigned>(size) <= std::thread::hardware_concurrency();
@@ -106,18 +111,25 @@ TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int 
 void TcpTransport::connectMesh(std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   const std::string prefix = rankPrefix(rank_, size_);
-  int64_t generation = (store_->add("ringreduce/generation", 1) - 1) / size_;
+  // Every store call below is bounded by the group's deadline: a rank that
+  // never comes, or a store whose host stopped, fails the set-up in time.
+  const std::string joining = "joining the group";
+  int64_t generation = (store_.add("ringreduce/generation", 1, deadline, joining) - 1) / size_;
   storeBase_ = "ringreduce/" + std::to_string(generation) + "/";
   if (rank_ == 0) {
     secret_ = randomHex(sizeof(Hello::secret) / 2);
-    store_->set(storeBase_ + "secret", secret_);
+    store_.set(storeBase_ + "secret", secret_, deadline, joining);
   } else {
-    secret_ = toString(store_->get(storeBase_ + "secret"));
+    secret_ = store_.get(storeBase_ + "secret", deadline, joining,
+                         "rank 0 did not publish the group secret within the group timeout (" +
+                             std::to_string(timeout.count()) +
+                             " ms; did it call init_process_group / new_group, or did it die?)");
   }
   TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, prefix, " pipe2 failed: ",
               std::strerror(errno));
-  listenFd_ = listenOn(chooseLocalAddress(storeHost(store_)), &bound_);
-  store_->set(storeBase_ + "addr/" + std::to_string(rank_), formatAddress(bound_));
+  listenFd_ = listenOn(chooseLocalAddress(storeHost(store_.ptr())), &bound_);
+  store_.set(storeBase_ + "addr/" + std::to_string(rank_), formatAddress(bound_), deadline,
+             joining);
   acceptThread_ = std::thread([this] { acceptLoop(); });
   try {
     for (int peer = 0; peer < rank_; ++peer) {
@@ -141,13 +153,18 @@ void TcpTransport::connectMesh(std::chrono::milliseconds timeout) {
     close();
     throw;
   }
-  p2p_ = std::make_unique<P2PEngine>(rank_, size_, fds_[kP2P], peerAddr_,
-                                     [this](const std::string& why) { abort(why); });
+  p2p_ = std::make_unique<P2PEngine>(
+      rank_, size_, fds_[kP2P], peerAddr_, [this](const std::string& why) { abort(why); },
+      [this](const std::string& why) { return groupCause(why); });
 }
 
 void TcpTransport::connectToLower(int peer, Clock::time_point deadline) {
   const std::string prefix = rankPrefix(rank_, size_);
-  std::string addr = toString(store_->get(storeBase_ + "addr/" + std::to_string(peer)));
+  std::string addr = store_.get(
+      storeBase_ + "addr/" + std::to_string(peer), deadline, "joining the group",
+      "rank " + std::to_string(peer) +
+          " did not publish its address within the group timeout (did it call "
+          "init_process_group / new_group, or did it die?)");
   sockaddr_in to{};
   TORCH_CHECK(parseAddress(addr, &to), prefix, " rank ", peer, " published a bad address '",
               addr, "'");
@@ -182,9 +199,13 @@ void TcpTransport::connectToLower(int peer, Clock::time_point deadline) {
 void TcpTransport::acceptLoop() {
   std::vector<PendingHello> pending;
   std::vector<pollfd> pfds;
+  auto backoff = std::chrono::milliseconds(0);
+  auto backoffUntil = Clock::time_point::min();
   while (!closed_) {
-    pfds.assign({{listenFd_, POLLIN, 0}, {wakePipe_[0], POLLIN, 0}});
-    auto next = Clock::time_point::max();
+    const bool backingOff = Clock::now() < backoffUntil;
+    pfds.assign({{listenFd_, static_cast<short>(backingOff ? 0 : POLLIN), 0},
+                 {wakePipe_[0], POLLIN, 0}});
+    auto next = backingOff ? backoffUntil : Clock::time_point::max();
     for (const auto& p : pending) {
       pfds.push_back({p.fd, POLLIN, 0});
       next = std::min(next, p.deadline);
@@ -210,7 +231,16 @@ void TcpTransport::acceptLoop() {
       p.fd = accept4(listenFd_, reinterpret_cast<sockaddr*>(&p.from), &len,
                      SOCK_CLOEXEC | SOCK_NONBLOCK);
       p.deadline = Clock::now() + kHandshakeTimeout;
-      if (p.fd >= 0) pending.push_back(p);
+      if (p.fd >= 0) {
+        pending.push_back(p);
+        backoff = std::chrono::milliseconds(0);
+      } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        backoff = std::min(kAcceptBackoffMax, std::max(kAcceptBackoffMin, backoff * 2));
+        backoffUntil = Clock::now() + backoff;
+        logRefusal("(not accepted)", std::string("accept failed: ") + std::strerror(errno) +
+                                         "; not accepting for " +
+                                         std::to_string(backoff.count()) + " ms");
+      }
     }
   }
   for (auto& p : pending) ::close(p.fd);
@@ -280,17 +310,41 @@ std::string TcpTransport::checkHello(const Hello& h) const {
   return "";
 }
 
-void TcpTransport::logRefusal(const std::string& from, const std::string& why) const {
+void TcpTransport::logRefusal(const std::string& from, const std::string& why) {
   std::string line = rankPrefix(rank_, size_) + " refused connection from " + from + ": " + why;
-  fprintf(stderr, "%s\n", line.c_str());
-  fflush(stderr);
-  std::lock_guard<std::mutex> lock(mu_);
-  refused_.push_back(line);
+  std::string print;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++refusedCount_;
+    refused_.push_back(line);
+    if (refused_.size() > kKeptRefusals) refused_.pop_front();
+    const auto now = Clock::now();
+    if (refusedCount_ <= kRefusalsPrinted) {
+      print = line;
+    } else if (now - refusedLogAt_ >= kRefusalLogInterval) {
+      print = line + " (" + std::to_string(refusedCount_ - refusedLogged_ - 1) +
+              " more refused since the last line; " + std::to_string(refusedCount_) +
+              " in all)";
+    }
+    if (!print.empty()) {
+      refusedLogged_ = refusedCount_;
+      refusedLogAt_ = now;
+    }
+  }
+  if (!print.empty()) {
+    fprintf(stderr, "%s\n", print.c_str());
+    fflush(stderr);
+  }
 }
 
 std::vector<std::string> TcpTransport::refusedConnections() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return refused_;
+  return std::vector<std::string>(refused_.begin(), refused_.end());
+}
+
+uint64_t TcpTransport::refusedCount() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return refusedCount_;
 }
 
 }  // namespace tcp

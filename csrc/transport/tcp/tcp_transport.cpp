@@ -13,8 +13,11 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <set>
+#include <thread>
 
 #include "common/env.h"
 #include "kernels/reduce_ops.h"
@@ -25,6 +28,13 @@ namespace tcp {
 namespace {
 
 constexpr const char* kAbortKey = "abort";
+// Budgets of the error path's store calls: a raise never waits longer on a
+// store that does not answer.
+constexpr auto kPublishBudget = std::chrono::milliseconds(250);
+constexpr auto kLookupBudget = std::chrono::milliseconds(250);
+// After a timeout, how long a rank waits for the ranks it waits on to publish
+// whom they wait on (their deadlines differ by their start times).
+constexpr auto kWaitChainGrace = std::chrono::milliseconds(500);
 
 using SendState = SendProgress;
 using RecvState = RecvProgress;
@@ -127,6 +137,14 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
   startProgress(op, sends, recvs, &ss, &rs);
   std::vector<pollfd> pfds;
   std::vector<int> peerOf;
+  // Peers this rank stopped writing to in the middle of a message.
+  auto midMessage = [&ss] {
+    std::vector<int> peers;
+    for (auto& s : ss) {
+      if (s.done > 0 && s.done < s.total()) peers.push_back(s.spec->peer);
+    }
+    return peers;
+  };
   while (true) {
     pfds.clear();
     peerOf.clear();
@@ -150,10 +168,10 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
     }
     if (ready == 0) {
       auto [peer, what] = timeoutReport(op, ss, rs);
-      fail(op, peer, what);
+      fail(op, peer, what, true, midMessage());
     }
     if (ready < 0 && errno != EINTR) {
-      fail(op, -1, std::string("poll failed: ") + std::strerror(errno));
+      fail(op, -1, std::string("poll failed: ") + std::strerror(errno), false, midMessage());
     }
     for (size_t i = 0; i < pfds.size(); ++i) {
       if (pfds[i].revents == 0) continue;
@@ -161,44 +179,119 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
       std::string err;
       for (auto& s : ss) {
         if (s.spec->peer == peer && !progressSend(pfds[i].fd, s, &err)) {
-          fail(op, peer, "send failed after " + std::to_string(s.done) + " of " +
-                             std::to_string(s.total()) + " bytes: " + err);
+          fail(op, peer,
+               "send failed after " + std::to_string(s.done) + " of " +
+                   std::to_string(s.total()) + " bytes: " + err,
+               false, midMessage());
         }
       }
       for (auto& r : rs) {
         if (r.spec->peer == peer && !progressRecv(pfds[i].fd, op, r, &err)) {
-          fail(op, peer, err + " (received " + std::to_string(r.dataDone) + " of " +
-                             std::to_string(r.spec->bytes) + " bytes)");
+          fail(op, peer,
+               err + " (received " + std::to_string(r.dataDone) + " of " +
+                   std::to_string(r.spec->bytes) + " bytes)",
+               false, midMessage());
         }
       }
     }
   }
 }
 
-void TcpTransport::fail(const OpInfo& op, int peer, const std::string& what) {
+void TcpTransport::fail(const OpInfo& op, int peer, const std::string& what, bool timedOut,
+                        const std::vector<int>& midMessage) {
   std::string where =
       peer >= 0 ? "with rank " + std::to_string(peer) + " (" + peerAddr_[peer] + "): " : "";
   std::string message = op.ctx.message(where + what);
-  std::string cause = groupCause();
+  if (timedOut && peer >= 0) message += waitChain(op, peer);
+  // Looked up before this rank publishes its own error, so it finds a peer's.
+  const std::string cause = groupCause(message);
+  abandon(op, midMessage);
   abort(message);
-  if (!cause.empty() && cause != message) {
-    message += "; first error in the group: " + cause;
-  }
-  throwTransportError(message + ". The process group is no longer usable.");
+  throwTransportError(message + cause + ". The process group is no longer usable.");
 }
 
-// The first error any rank of the group published, if any (best effort).
-std::string TcpTransport::groupCause() const {
-  try {
-    std::string key = storeBase_ + kAbortKey;
-    if (store_ && store_->check({key})) {
-      auto v = store_->get(key);
-      return std::string(v.begin(), v.end());
-    }
-  } catch (const std::exception&) {
-    // The store may be gone with the rank that hosted it.
+std::string TcpTransport::groupCause(const std::string& mine) {
+  if (size_ == 1) return "";
+  bool answered = false;
+  auto first = store_.tryGet(storeBase_ + kAbortKey, Clock::now() + kLookupBudget, &answered);
+  if (!answered) {
+    return "; the first failure in the group is unknown (the store did not answer within " +
+           std::to_string(kLookupBudget.count()) + " ms)";
   }
-  return "";
+  if (!first || *first == mine) return "";
+  return "; first error in the group: " + *first;
+}
+
+std::string TcpTransport::waitChain(const OpInfo& op, int peer) {
+  auto key = [&](int r) {
+    return storeBase_ + "wait/" + std::to_string(op.ctx.seq) + "/" + std::to_string(r);
+  };
+  if (!store_.trySetFirst(key(rank_), std::to_string(peer), Clock::now() + kPublishBudget)) {
+    return "";
+  }
+  const auto graceEnd = Clock::now() + kWaitChainGrace;
+  std::string chain;
+  std::set<int> seen{rank_};
+  int cur = peer;
+  while (true) {
+    if (seen.count(cur) != 0) {
+      return "; the waits form a cycle (" + chain.substr(2) +
+             "): every rank in it waits for another";
+    }
+    bool answered = false;
+    auto next = store_.tryGet(key(cur), std::min(graceEnd, Clock::now() + kLookupBudget) +
+                                            std::chrono::milliseconds(1),
+                              &answered);
+    if (!answered && Clock::now() < graceEnd) return "";
+    if (next) {
+      seen.insert(cur);
+      chain += "; rank " + std::to_string(cur) + " waits for rank " + *next;
+      cur = std::atoi(next->c_str());
+      continue;
+    }
+    if (Clock::now() >= graceEnd) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return chain + "; rank " + std::to_string(cur) + " made no progress in " + op.ctx.op + "#" +
+         std::to_string(op.ctx.seq) + " (stopped, hung, or never called it)";
+}
+
+void TcpTransport::abandon(const OpInfo& op, const std::vector<int>& midMessage) {
+  WireHeader h = messageHeader(op, SendSpec{-1, nullptr, 0, 0});
+  h.kind = static_cast<uint8_t>(OpKind::kAbort);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int peer = 0; peer < size_; ++peer) {
+    const int fd = fds_[kCollective][peer];
+    if (fd < 0 || std::find(midMessage.begin(), midMessage.end(), peer) != midMessage.end()) {
+      continue;
+    }
+    // Best effort: a full socket buffer just means no frame.
+    (void)!::send(fd, &h, sizeof(h), MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+}
+
+void TcpTransport::confirm(const OpInfo& op) {
+  if (size_ == 1) return;
+  std::vector<pollfd> pfds;
+  std::vector<int> peerOf;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    pfds.push_back({fds_[kCollective][peer], POLLIN, 0});
+    peerOf.push_back(peer);
+  }
+  if (poll(pfds.data(), pfds.size(), 0) <= 0) return;
+  for (size_t i = 0; i < pfds.size(); ++i) {
+    if ((pfds[i].revents & POLLIN) == 0) continue;
+    WireHeader h{};
+    ssize_t r = ::recv(pfds[i].fd, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
+    if (r == static_cast<ssize_t>(sizeof(h)) && h.magic == kWireMagic &&
+        h.kind == static_cast<uint8_t>(OpKind::kAbort) && h.seq == op.ctx.seq) {
+      fail(op, peerOf[i],
+           "the peer abandoned this op (it timed out or failed in it) after this rank's "
+           "transfers had completed; the op fails on every rank",
+           false);
+    }
+  }
 }
 
 void TcpTransport::abort(const std::string& reason) {
@@ -210,12 +303,10 @@ void TcpTransport::abort(const std::string& reason) {
   if (debugEnabled()) {
     fprintf(stderr, "%s aborting: %s\n", rankPrefix(rank_, size_).c_str(), reason.c_str());
   }
-  // Publish the first error before the peers see EOF, so they can name it.
-  try {
-    std::string key = storeBase_ + kAbortKey;
-    if (store_ && !closed_ && !store_->check({key})) store_->set(key, reason);
-  } catch (const std::exception&) {
-    // Best effort: the store may be gone with the rank that hosted it.
+  // Publish the first error before the peers see EOF, so they can name it;
+  // bounded, so a store that does not answer never holds up the abort.
+  if (size_ > 1 && !closed_) {
+    store_.trySetFirst(storeBase_ + kAbortKey, reason, Clock::now() + kPublishBudget);
   }
   {
     // Shutting the sockets down (not closing: other threads may be polling

@@ -10,12 +10,14 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "transport/store_calls.h"
 #include "transport/tcp/socket.h"
 #include "transport/transport.h"
 
@@ -42,29 +44,38 @@ class TcpTransport : public Transport {
                 P2PCallback done) override;
   void postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, size_t bytes,
                 P2PCallback done) override;
+  void confirm(const OpInfo& op) override;
   void abort(const std::string& reason) override;
   std::string abortReason() const override;
   void close() override;
 
   // For a transport layered over this one (shared memory), which keeps the
   // collective connections idle and uses them only to learn of failures:
-  // fails `op` as a TCP transfer would (aborts, publishes, throws).
+  // fails `op` as a TCP transfer would (aborts, publishes, throws). A timeout
+  // also works out, through the store, which rank the waits lead to.
   [[noreturn]] void failOp(const OpInfo& op, int peer, const std::string& what) {
-    fail(op, peer, what);
+    fail(op, peer, what, false);
+  }
+  [[noreturn]] void failTimeout(const OpInfo& op, int peer, const std::string& what) {
+    fail(op, peer, what, true);
   }
   // The first of `peers` whose idle collective connection became readable
   // (it closed: the peer exited or aborted), or -1. Never blocks.
   int closedPeer(const std::vector<int>& peers);
   // This group's store key for `name` (keys of a re-created group differ).
   std::string storeKey(const std::string& name) const { return storeBase_ + name; }
+  StoreCalls& store() { return store_; }
   int64_t spinUs() const { return spinUs_; }
   int64_t yieldUs() const { return yieldUs_; }
   bool aborted() const { return aborted_; }
 
   // "ip:port" this rank accepts connections on (empty for a group of one).
   std::string listenAddress() const;
-  // Why each refused connection was refused (also logged to stderr).
+  // Why the most recent refused connections were refused (at most
+  // kKeptRefusals; logged to stderr at a limited rate), and how many in all.
   std::vector<std::string> refusedConnections() const;
+  uint64_t refusedCount() const;
+  static constexpr size_t kKeptRefusals = 64;
 
  private:
   // rendezvous.cpp: the mesh and the accept thread.
@@ -74,15 +85,26 @@ class TcpTransport : public Transport {
   void readHello(PendingHello& pending);
   void refuse(PendingHello& pending, const std::string& why);
   std::string checkHello(const Hello& hello) const;
-  void logRefusal(const std::string& from, const std::string& why) const;
+  void logRefusal(const std::string& from, const std::string& why);
 
   int pollWithSpin(std::vector<pollfd>& pfds, int timeoutMs);
 
   // tcp_transport.cpp: failure paths.
-  [[noreturn]] void fail(const OpInfo& op, int peer, const std::string& what);
-  std::string groupCause() const;
+  [[noreturn]] void fail(const OpInfo& op, int peer, const std::string& what, bool timedOut,
+                         const std::vector<int>& midMessage = {});
+  // " first error in the group: ..." or why it is unknown; "" when this rank's
+  // error is the first.
+  std::string groupCause(const std::string& mine);
+  // After a timeout waiting for `peer`: follows the ranks' published waits to
+  // the rank that made no progress ("; rank 2 waits for rank 0; rank 0 made no
+  // progress ..."), or "" when the store cannot tell.
+  std::string waitChain(const OpInfo& op, int peer);
+  // Writes an abort frame to every peer whose collective stream is at a
+  // message boundary (not in `midMessage`), so a late peer that completes
+  // this op's transfers still fails it in confirm().
+  void abandon(const OpInfo& op, const std::vector<int>& midMessage);
 
-  c10::intrusive_ptr<c10d::Store> store_;
+  StoreCalls store_;
   const int rank_;
   const int size_;
   std::string storeBase_;
@@ -103,7 +125,12 @@ class TcpTransport : public Transport {
   std::atomic<bool> aborted_{false};
   std::atomic<bool> closed_{false};
   std::string abortReason_;  // guarded by mu_
-  mutable std::vector<std::string> refused_;  // guarded by mu_
+  // Refusals: the last kKeptRefusals lines, the count, and the log's rate
+  // limit. All guarded by mu_.
+  std::deque<std::string> refused_;
+  uint64_t refusedCount_ = 0;
+  uint64_t refusedLogged_ = 0;  // count when the last line was printed
+  std::chrono::steady_clock::time_point refusedLogAt_{};
 };
 
 }  // namespace tcp

@@ -1,0 +1,169 @@
+#include "transport/store_calls.h"
+
+#include <c10/util/Exception.h>
+
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "common/errors.h"
+
+namespace ringreduce {
+namespace {
+
+// What a helper thread and its caller share; the helper may outlive the caller.
+struct CallState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;  // guarded by mu
+  std::exception_ptr error;  // guarded by mu
+};
+
+std::string errorText(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+std::chrono::milliseconds remaining(StoreCalls::Clock::time_point deadline) {
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                  StoreCalls::Clock::now());
+  return std::max(ms, std::chrono::milliseconds(1));
+}
+
+// A store's own wait() reports its timeout a little after ours; this much
+// longer the caller waits for the helper's answer before calling it late.
+constexpr auto kAnswerGrace = std::chrono::milliseconds(200);
+
+}  // namespace
+
+bool StoreCalls::run(Clock::time_point deadline, std::function<void(c10d::Store&)> fn) {
+  auto state = std::make_shared<CallState>();
+  std::thread([state, store = store_, fn = std::move(fn)] {
+    std::exception_ptr error;
+    try {
+      fn(*store);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->done = true;
+    state->error = error;
+    state->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(state->mu);
+  if (!state->cv.wait_until(lock, deadline, [&] { return state->done; })) return false;
+  if (state->error) std::rethrow_exception(state->error);
+  return true;
+}
+
+void StoreCalls::throwLate(const std::string& what, Clock::time_point deadline,
+                           const std::string& missing) const {
+  (void)deadline;
+  if (!missing.empty()) {
+    throwTransportError(prefix_ + " " + what + ": " + missing);
+  }
+  throwTransportError(prefix_ + " " + what +
+                      ": the store did not answer in time (is the process hosting it, "
+                      "usually rank 0, stopped or gone?)");
+}
+
+void StoreCalls::set(const std::string& key, const std::string& value,
+                     Clock::time_point deadline, const std::string& what) {
+  bool answered = false;
+  try {
+    answered = run(deadline, [key, value](c10d::Store& s) { s.set(key, value); });
+  } catch (...) {
+    throwTransportError(prefix_ + " " + what + ": the store failed: " +
+                        errorText(std::current_exception()));
+  }
+  if (!answered) throwLate(what, deadline, "");
+}
+
+int64_t StoreCalls::add(const std::string& key, int64_t delta, Clock::time_point deadline,
+                        const std::string& what) {
+  auto result = std::make_shared<int64_t>(0);
+  bool answered = false;
+  try {
+    answered = run(deadline, [key, delta, result](c10d::Store& s) { *result = s.add(key, delta); });
+  } catch (...) {
+    throwTransportError(prefix_ + " " + what + ": the store failed: " +
+                        errorText(std::current_exception()));
+  }
+  if (!answered) throwLate(what, deadline, "");
+  return *result;
+}
+
+bool StoreCalls::waitFor(const std::string& key, Clock::time_point deadline,
+                         const std::string& what) {
+  bool answered = false;
+  try {
+    const auto budget = remaining(deadline);
+    answered = run(deadline + kAnswerGrace,
+                   [key, budget](c10d::Store& s) { s.wait({key}, budget); });
+  } catch (...) {
+    // The store's own wait ran out: the key is missing, the store is fine.
+    if (Clock::now() + std::chrono::milliseconds(50) >= deadline) return false;
+    throwTransportError(prefix_ + " " + what + ": the store failed: " +
+                        errorText(std::current_exception()));
+  }
+  if (!answered) throwLate(what, deadline, "");
+  return true;
+}
+
+std::string StoreCalls::get(const std::string& key, Clock::time_point deadline,
+                            const std::string& what, const std::string& missing) {
+  if (!waitFor(key, deadline, what)) throwLate(what, deadline, missing);
+  auto result = std::make_shared<std::vector<uint8_t>>();
+  bool answered = false;
+  try {
+    answered = run(std::max(deadline, Clock::now()) + kAnswerGrace,
+                   [key, result](c10d::Store& s) { *result = s.get(key); });
+  } catch (...) {
+    throwTransportError(prefix_ + " " + what + ": the store failed: " +
+                        errorText(std::current_exception()));
+  }
+  if (!answered) throwLate(what, deadline, "");
+  return std::string(result->begin(), result->end());
+}
+
+std::optional<std::string> StoreCalls::tryGet(const std::string& key, Clock::time_point deadline,
+                                              bool* answered) {
+  auto result = std::make_shared<std::optional<std::string>>();
+  bool ok = false;
+  try {
+    ok = run(deadline, [key, result](c10d::Store& s) {
+      if (s.check({key})) {
+        auto v = s.get(key);
+        *result = std::string(v.begin(), v.end());
+      }
+    });
+  } catch (...) {
+    ok = false;
+  }
+  if (answered != nullptr) *answered = ok;
+  return ok ? *result : std::nullopt;
+}
+
+bool StoreCalls::trySetFirst(const std::string& key, const std::string& value,
+                             Clock::time_point deadline) {
+  try {
+    // compareSet with an empty expected value creates the key only if absent.
+    return run(deadline, [key, value](c10d::Store& s) {
+      std::vector<uint8_t> empty, desired(value.begin(), value.end());
+      s.compareSet(key, empty, desired);
+    });
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace ringreduce

@@ -1,0 +1,68 @@
+// c10d::Store calls with a deadline.
+//
+// A store call blocks for the store's own timeout (30 minutes by default, and
+// forever in practice when the process hosting a TCPStore is stopped), which
+// knows nothing of the group's timeout. Every call the transports make goes
+// through StoreCalls instead: it runs on a helper thread and the caller waits
+// only until its deadline, derived from the group timeout (set-up) or a short
+// fixed budget (the error path, which must never delay a raise). A call that
+// misses its deadline is left to finish or fail on its own; it holds a
+// reference to the store, never to the caller.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace ringreduce {
+
+class StoreCalls {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // `prefix` starts every error message ("[ringreduce rank 1/4]").
+  StoreCalls(c10::intrusive_ptr<c10d::Store> store, std::string prefix)
+      : store_(std::move(store)), prefix_(std::move(prefix)) {}
+
+  // Each throws a DistBackendError naming `what` when the store does not answer
+  // before `deadline` or fails.
+  void set(const std::string& key, const std::string& value, Clock::time_point deadline,
+           const std::string& what);
+  int64_t add(const std::string& key, int64_t delta, Clock::time_point deadline,
+              const std::string& what);
+  // Waits until `key` exists (another rank sets it), then reads it. On timeout
+  // the error says `missing` (e.g. "rank 2 never published its address").
+  std::string get(const std::string& key, Clock::time_point deadline, const std::string& what,
+                  const std::string& missing);
+  // True once `key` exists, false if it does not by the deadline (no throw for
+  // that); throws only if the store fails or stops answering.
+  bool waitFor(const std::string& key, Clock::time_point deadline, const std::string& what);
+
+  // Best effort, for the error path: never throw. nullopt when the key is
+  // absent or the store did not answer in time (*answered says which).
+  std::optional<std::string> tryGet(const std::string& key, Clock::time_point deadline,
+                                    bool* answered = nullptr);
+  // Sets `key` unless it exists already (the first writer wins); false when the
+  // store did not answer in time.
+  bool trySetFirst(const std::string& key, const std::string& value,
+                   Clock::time_point deadline);
+
+  c10d::Store& raw() { return *store_; }
+  const c10::intrusive_ptr<c10d::Store>& ptr() const { return store_; }
+
+ private:
+  // Runs fn on a helper thread; true when it finished before the deadline
+  // (rethrowing what it threw), false when the deadline passed first.
+  bool run(Clock::time_point deadline, std::function<void(c10d::Store&)> fn);
+  [[noreturn]] void throwLate(const std::string& what, Clock::time_point deadline,
+                              const std::string& missing) const;
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string prefix_;
+};
+
+}  // namespace ringreduce
