@@ -249,10 +249,10 @@ def test_mismatched_collective(fresh_world):
                       r"this rank allreduce#(\d+)", first["msg"])
     assert match, first["msg"]
     assert match.group(1) == match.group(2), first["msg"]
-    # Rank 1 is the broadcast's root: its sends may complete before rank 0
-    # aborts, so it may only fail on its next op.
-    if results[1]["first"] is not None:
-        _assert_backend_error(results[1]["first"], 1, "broadcast against an all_reduce")
+    # Rank 1 is the broadcast's root: it only sends, and waits for the chain's
+    # acknowledgement, so it fails in this same op (it used to succeed here and
+    # fail only on its next op).
+    _assert_backend_error(results[1]["first"], 1, "broadcast against an all_reduce")
     for rank, res in enumerate(results):
         _assert_unusable(res, rank)
 
