@@ -5,6 +5,10 @@ issue the same collectives in the same order, so checks never raise: they
 record a failure naming the case, and the parent fails the test with all of
 them (`assert_cases`). Inputs are a pure function of (case, rank), so any rank
 can compute every rank's input and hence the expected result.
+
+Inputs and closed forms live on the CPU; the checks take results on any device
+and compare them on the CPU (`.cpu()` runs on the current stream, so a CUDA
+result is read after whatever that stream was made to wait for).
 """
 import contextlib
 import functools
@@ -215,6 +219,7 @@ class Cases:
     def equal(self, actual, expected, what="result"):
         """Same shape, dtype and values (NaN never expected)."""
         self.checks += 1
+        actual, expected = actual.cpu(), expected.cpu()
         if actual.shape != expected.shape or actual.dtype != expected.dtype:
             self.fail(f"{what}: got {_meta(actual)}, expected {_meta(expected)}")
             return
@@ -223,8 +228,9 @@ class Cases:
             self.fail(f"{what}: " + _describe_mismatch(actual, expected, bad))
 
     def close(self, actual, expected, scale, what="result"):
-        """|a - e| <= tol * (scale + |e|), tol from dtype eps and world size."""
+        """|a - e| <= tol * (scale + |e|), tol from dtype eps and world size (NaN fails)."""
         self.checks += 1
+        actual, expected = actual.cpu(), expected.cpu()
         if actual.shape != expected.shape or actual.dtype != expected.dtype:
             self.fail(f"{what}: got {_meta(actual)}, expected {_meta(expected)}")
             return
@@ -232,7 +238,7 @@ class Cases:
         tol = 4 * max(self.ctx.world_size, 2) * eps
         a, e = actual.to(torch.complex128 if actual.is_complex() else torch.float64), \
             expected.to(torch.complex128 if expected.is_complex() else torch.float64)
-        bad = (a - e).abs() > tol * (scale + e.abs())
+        bad = ~((a - e).abs() <= tol * (scale + e.abs()))
         if bad.any():
             self.fail(f"{what} (tol {tol:.2g}): " + _describe_mismatch(actual, expected, bad))
 
@@ -275,16 +281,30 @@ def input_scale(inputs):
 
 
 def _flat_bytes(tensors):
-    parts = [t.detach().reshape(-1).clone(memory_format=torch.contiguous_format)
+    """The tensors' bytes, concatenated, on the CPU."""
+    parts = [t.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)
              .view(torch.uint8) for t in tensors if t.numel()]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
+def _cuda_device(tensors):
+    """The CUDA device of the first CUDA tensor, or None."""
+    return next((t.device for t in tensors if t.is_cuda), None)
+
+
 def check_work(cases, work, outputs, collective=None):
-    """async_op handle: wait() is True, completed, future holds the outputs."""
+    """async_op handle: wait() is True, completed, future holds the outputs.
+
+    On CUDA (NCCL semantics) wait() may return before the GPU is done: it only
+    makes the current stream wait, so completion is checked once that stream
+    has been synchronized.
+    """
     cases.true(work.wait() is True, "work.wait() did not return True")
     if not expects_future(cases.ctx, collective or cases.collective):
         return
+    device = _cuda_device(outputs)
+    if device is not None:
+        torch.cuda.current_stream(device).synchronize()
     cases.true(work.is_completed(), "work.is_completed() is False after wait()")
     check_future(cases, work.get_future(), outputs)
 
@@ -297,6 +317,11 @@ def check_future(cases, future, outputs):
     if not isinstance(value, list):
         cases.fail(f"future value is {type(value).__name__}, expected a tensor list")
         return
+    device = _cuda_device(outputs)
+    if device is not None:
+        where = sorted({str(t.device) for t in value})
+        cases.true(all(t.device == device for t in value),
+                   f"future value on {where}, the outputs on {device}")
     cases.equal(_flat_bytes(value), _flat_bytes(outputs), "future value bytes")
 
 

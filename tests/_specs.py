@@ -4,6 +4,11 @@ A builder takes (comm, dtype, count, op, variant) and returns Specs. A Spec's
 `call(group, async_op)` runs the collective on fresh buffers and returns
 (work, outputs); `expected` holds the closed form of each output (None: not
 checked). The same Spec runs on the group under test and on the gloo oracle.
+
+The buffers of a call on the group under test live on `comm.device` (CUDA for
+the CUDA suite); the gloo oracle's always live on the CPU (gloo covers CUDA
+only in part), so its result is the CPU result. Inputs and closed forms are
+computed on the CPU; compare outputs after `.cpu()` (Cases does).
 """
 import dataclasses
 from typing import Callable, List, Optional
@@ -22,22 +27,27 @@ class Comm:
     oracle: object
     ranks: List[int]
     rank: int
+    device: str = "cpu"  # where the tested group's buffers live
 
     @property
     def n(self):
         return len(self.ranks)
 
+    def device_for(self, group):
+        """The device of a call's buffers: the CPU on the oracle, else `device`."""
+        return torch.device("cpu") if group is self.oracle else torch.device(self.device)
 
-def world_comm(ctx):
-    return Comm(None, ctx.oracle, list(range(ctx.world_size)), ctx.rank)
+
+def world_comm(ctx, device="cpu"):
+    return Comm(None, ctx.oracle, list(range(ctx.world_size)), ctx.rank, str(device))
 
 
-def sub_comm(ctx, ranks):
+def sub_comm(ctx, ranks, device="cpu"):
     """Comm over `ranks` (every rank must call this), None outside it."""
     tested, oracle = ctx.subgroup(ranks)
     if ctx.rank not in ranks:
         return None
-    return Comm(tested, oracle, list(ranks), list(ranks).index(ctx.rank))
+    return Comm(tested, oracle, list(ranks), list(ranks).index(ctx.rank), str(device))
 
 
 @dataclasses.dataclass
@@ -48,6 +58,11 @@ class Spec:
     exact: bool = True
     scale: float = 1.0
     shared: int = 0  # leading outputs every rank must hold bit for bit
+
+
+def _fresh(tensor, device):
+    """A call's own copy of a CPU tensor, on `device`."""
+    return tensor.to(device, copy=True)
 
 
 def _data(tag, comm, count, dtype, op=None, exact=True):
@@ -91,10 +106,11 @@ def all_reduce(comm, dtype, count, op, exact=True, variant="plain"):
         expected.append(base)
 
     def call(group, async_op):
+        device = comm.device_for(group)
         if variant == "plain":
-            t = flats[comm.rank].clone()
+            t = _fresh(flats[comm.rank], device)
             return dist.all_reduce(t, op=op, group=group, async_op=async_op), [t]
-        view, base = _strided_views([flats[comm.rank].clone()], count, variant)[0]
+        view, base = _strided_views([_fresh(flats[comm.rank], device)], count, variant)[0]
         work = dist.all_reduce(view, op=op, group=group, async_op=async_op)
         return work, [view] + ([base] if base is not None else [])
 
@@ -107,7 +123,7 @@ def all_reduce_coalesced(comm, dtype, count, op, exact=True, variant="plain"):
     expected = [reduce_closed_form(d, op, dtype) for d in data]
 
     def call(group, async_op):
-        ts = [d[comm.rank].clone() for d in data]
+        ts = [_fresh(d[comm.rank], comm.device_for(group)) for d in data]
         return dist.all_reduce_coalesced(ts, op=op, group=group, async_op=async_op), ts
 
     scale = max(input_scale(d) for d in data)
@@ -121,7 +137,7 @@ def reduce(comm, dtype, count, op, exact=True, variant="plain"):
         want = reduce_closed_form(data, op, dtype) if comm.rank == root else None
 
         def call(group, async_op, data=data, root=root):
-            t = data[comm.rank].clone()
+            t = _fresh(data[comm.rank], comm.device_for(group))
             work = dist.reduce(t, group_dst=root, op=op, group=group, async_op=async_op)
             return work, [t]
 
@@ -139,8 +155,9 @@ def reduce_scatter(comm, dtype, count, op, exact=True, variant="plain"):
     want = reduce_closed_form(flats, op, dtype)[comm.rank * count:(comm.rank + 1) * count]
 
     def call(group, async_op):
-        out = torch.zeros(count, dtype=dtype)
-        ins = [c.clone() for c in _chunks(flats[comm.rank], comm.n)]
+        device = comm.device_for(group)
+        out = torch.zeros(count, dtype=dtype, device=device)
+        ins = [_fresh(c, device) for c in _chunks(flats[comm.rank], comm.n)]
         return dist.reduce_scatter(out, ins, op=op, group=group, async_op=async_op), [out]
 
     return [Spec({}, call, [want], is_exact(dtype, op, exact), input_scale(flats))]
@@ -151,11 +168,12 @@ def reduce_scatter_tensor(comm, dtype, count, op, exact=True, variant="plain"):
     want = reduce_closed_form(flats, op, dtype)[comm.rank * count:(comm.rank + 1) * count]
 
     def call(group, async_op):
-        inp = flats[comm.rank].clone()
+        device = comm.device_for(group)
+        inp = _fresh(flats[comm.rank], device)
         if variant == "inplace":
             out = inp.narrow(0, comm.rank * count, count)
         else:
-            out = torch.zeros(count, dtype=dtype)
+            out = torch.zeros(count, dtype=dtype, device=device)
         work = dist.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
         return work, [out]
 
@@ -183,10 +201,11 @@ def broadcast(comm, dtype, count, op=None, exact=False, variant="plain"):
                 expected.append(base)
 
         def call(group, async_op, flats=flats, root=root):
+            device = comm.device_for(group)
             if variant == "plain":
-                t = flats[comm.rank].clone()
+                t = _fresh(flats[comm.rank], device)
                 return dist.broadcast(t, group_src=root, group=group, async_op=async_op), [t]
-            view, base = _strided_views([flats[comm.rank].clone()], count, variant)[0]
+            view, base = _strided_views([_fresh(flats[comm.rank], device)], count, variant)[0]
             work = dist.broadcast(view, group_src=root, group=group, async_op=async_op)
             return work, [view] + ([base] if base is not None else [])
 
@@ -199,8 +218,9 @@ def all_gather(comm, dtype, count, op=None, exact=False, variant="plain"):
     sent = [d[::2] if variant == "strided" else d[:count] for d in data]
 
     def call(group, async_op):
-        outs = [torch.zeros(count, dtype=dtype) for _ in range(comm.n)]
-        mine = data[comm.rank].clone()
+        device = comm.device_for(group)
+        outs = [torch.zeros(count, dtype=dtype, device=device) for _ in range(comm.n)]
+        mine = _fresh(data[comm.rank], device)
         mine = mine[::2] if variant == "strided" else mine[:count]
         return dist.all_gather(outs, mine, group=group, async_op=async_op), outs
 
@@ -211,12 +231,13 @@ def all_gather_into_tensor(comm, dtype, count, op=None, exact=False, variant="pl
     data = _data(f"agit/{variant}", comm, count, dtype)
 
     def call(group, async_op):
-        out = torch.zeros(comm.n * count, dtype=dtype)
+        device = comm.device_for(group)
+        out = torch.zeros(comm.n * count, dtype=dtype, device=device)
         if variant == "inplace":
             inp = out.narrow(0, comm.rank * count, count)
             inp.copy_(data[comm.rank])
         else:
-            inp = data[comm.rank].clone()
+            inp = _fresh(data[comm.rank], device)
         return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op), [out]
 
     return [Spec({}, call, [torch.cat(data)], shared=1)]
@@ -227,8 +248,10 @@ def all_gather_coalesced(comm, dtype, count, op=None, exact=False, variant="plai
     data = [_data(f"agc{i}", comm, s, dtype) for i, s in enumerate(sizes)]
 
     def call(group, async_op):
-        outs = [[torch.zeros(s, dtype=dtype) for s in sizes] for _ in range(comm.n)]
-        ins = [d[comm.rank].clone() for d in data]
+        device = comm.device_for(group)
+        outs = [[torch.zeros(s, dtype=dtype, device=device) for s in sizes]
+                for _ in range(comm.n)]
+        ins = [_fresh(d[comm.rank], device) for d in data]
         work = dist.all_gather_coalesced(outs, ins, group=group, async_op=async_op)
         return work, [t for per_rank in outs for t in per_rank]
 
@@ -243,8 +266,10 @@ def gather(comm, dtype, count, op=None, exact=False, variant="plain"):
         is_root = comm.rank == root
 
         def call(group, async_op, data=data, root=root, is_root=is_root):
-            outs = [torch.zeros(count, dtype=dtype) for _ in range(comm.n)] if is_root else None
-            work = dist.gather(data[comm.rank].clone(), outs, group_dst=root, group=group,
+            device = comm.device_for(group)
+            outs = ([torch.zeros(count, dtype=dtype, device=device) for _ in range(comm.n)]
+                    if is_root else None)
+            work = dist.gather(_fresh(data[comm.rank], device), outs, group_dst=root, group=group,
                                async_op=async_op)
             return work, outs or []
 
@@ -258,8 +283,9 @@ def scatter(comm, dtype, count, op=None, exact=False, variant="plain"):
         pieces = [make_input(f"scatter{root}->{dst}", root, count, dtype) for dst in range(comm.n)]
 
         def call(group, async_op, pieces=pieces, root=root):
-            out = torch.zeros(count, dtype=dtype)
-            sources = [p.clone() for p in pieces] if comm.rank == root else None
+            device = comm.device_for(group)
+            out = torch.zeros(count, dtype=dtype, device=device)
+            sources = [_fresh(p, device) for p in pieces] if comm.rank == root else None
             work = dist.scatter(out, sources, group_src=root, group=group, async_op=async_op)
             return work, [out]
 
@@ -281,8 +307,9 @@ def all_to_all_single(comm, dtype, count, op=None, exact=False, variant="plain")
     theirs = [pieces[s][comm.rank] for s in range(comm.n)]
 
     def call(group, async_op):
-        inp = torch.cat(mine)
-        out = torch.zeros(sum(t.numel() for t in theirs), dtype=dtype)
+        device = comm.device_for(group)
+        inp = torch.cat(mine).to(device)
+        out = torch.zeros(sum(t.numel() for t in theirs), dtype=dtype, device=device)
         splits = {} if even else {
             "output_split_sizes": [t.numel() for t in theirs],
             "input_split_sizes": [t.numel() for t in mine]}
@@ -297,8 +324,9 @@ def all_to_all(comm, dtype, count, op=None, exact=False, variant="plain"):
     theirs = [pieces[s][comm.rank] for s in range(comm.n)]
 
     def call(group, async_op):
-        outs = [torch.zeros(t.numel(), dtype=dtype) for t in theirs]
-        ins = [p.clone() for p in pieces[comm.rank]]
+        device = comm.device_for(group)
+        outs = [torch.zeros(t.numel(), dtype=dtype, device=device) for t in theirs]
+        ins = [_fresh(p, device) for p in pieces[comm.rank]]
         return dist.all_to_all(outs, ins, group=group, async_op=async_op), outs
 
     return [Spec({}, call, theirs)]

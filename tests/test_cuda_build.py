@@ -50,7 +50,10 @@ def _cuda_include():
 
 
 @pytest.mark.skipif(_cuda_include() is None, reason="no CUDA toolkit headers")
-@pytest.mark.parametrize("source", ["kernels/cuda/sync_bn_cuda.cpp", "ops/sync_batch_norm.cpp"])
+@pytest.mark.parametrize("source", ["kernels/cuda/sync_bn_cuda.cpp", "ops/sync_batch_norm.cpp",
+                                    "backend/device_stage.cpp", "backend/ring_work.cpp",
+                                    "backend/ring_backend.cpp", "backend/collectives.cpp",
+                                    "backend/collectives_scatter.cpp", "backend/validate.cpp"])
 def test_cuda_flavour_sources_compile(tmp_path, source):
     """The ATen side of the CUDA build (device guard, streams, launch checks) and the
     fused op, checked for syntax and types in CUDA mode. A CPU-only torch wheel lacks

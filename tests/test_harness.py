@@ -100,3 +100,14 @@ def test_cases_flag_wrong_values_shapes_and_tolerance():
     failures = cases.result()["failures"]
     assert len(failures) == 3, failures
     assert "got 2, expected 3" in failures[0] and "dtype=float32" in failures[0]
+
+
+def test_cases_close_fails_nan_and_compares_on_the_cpu():
+    cases = Cases(_Ctx(), "unit")
+    with cases.case(dtype=torch.float32):
+        cases.close(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 1.0]), scale=1.0)
+        cases.close(torch.tensor([float("nan")]), torch.tensor([float("nan")]), scale=1.0)
+        cases.equal(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    failures = cases.result()["failures"]
+    assert len(failures) == 3, failures
+    assert "1 of 2 elements differ" in failures[0], failures[0]

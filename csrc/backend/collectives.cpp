@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "algorithms/algorithms.h"
+#include "backend/device_stage.h"
 #include "backend/ring_backend.h"
 #include "backend/validate.h"
 
@@ -43,13 +44,16 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& t
   ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
   OpInfo op = makeOp(OpKind::kAllreduce, "allreduce", t, wireOp(opts.reduceOp), t.numel());
   auto reduceOp = opts.reduceOp;
+  DeviceStage stage = DeviceStage::begin(ctx, tensors);
+  at::Tensor h = stage.inout(t);
   return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE, tensors, opts.asyncOp,
-                 [t, fn, reduceOp](const Comm& c) {
-                   at::Tensor s = staged(t);
+                 [h, fn, reduceOp](const Comm& c) {
+                   at::Tensor s = staged(h);
                    allreduceAuto(c, bytesOf(s), s.numel(), s.element_size(), fn);
                    finishAverage(reduceOp, s, c.size);
-                   writeBack(t, s);
-                 });
+                   writeBack(h, s);
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
@@ -67,7 +71,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
   OpInfo op = makeOp(OpKind::kAllreduce, "allreduce_coalesced", tensors[0],
                      wireOp(opts.reduceOp), total);
   auto reduceOp = opts.reduceOp;
-  auto ts = tensors;
+  DeviceStage stage = DeviceStage::begin(ctx, tensors);
+  std::vector<at::Tensor> ts;
+  for (const auto& t : tensors) ts.push_back(stage.inout(t));
   return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp,
                  [ts, fn, reduceOp](const Comm& c) {
                    at::Tensor flat = flatten(ts);
@@ -78,7 +84,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
                      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
                      offset += t.numel();
                    }
-                 });
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -90,12 +97,15 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
   int root = static_cast<int>(opts.rootRank);
   if (getRank() != root) checkWritable(ctx, t, "input");
   OpInfo op = makeOp(OpKind::kBroadcast, "broadcast", t, kNoReduceOp, t.numel(), root);
+  DeviceStage stage = DeviceStage::begin(ctx, tensors);
+  at::Tensor h = getRank() == root ? stage.in(t) : stage.out(t);
   return enqueue(std::move(op), opts.timeout, OpType::BROADCAST, tensors, opts.asyncOp,
-                 [t, root](const Comm& c) {
-                   at::Tensor s = staged(t);
+                 [h, root](const Comm& c) {
+                   at::Tensor s = staged(h);
                    broadcastChain(c, bytesOf(s), nbytes(s), root);
-                   writeBack(t, s);
-                 });
+                   writeBack(h, s);
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -108,16 +118,19 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tens
   if (getRank() == root) checkWritable(ctx, t, "input");
   OpInfo op = makeOp(OpKind::kReduce, "reduce", t, wireOp(opts.reduceOp), t.numel(), root);
   auto reduceOp = opts.reduceOp;
+  DeviceStage stage = DeviceStage::begin(ctx, tensors);
+  at::Tensor h = getRank() == root ? stage.inout(t) : stage.in(t);
   return enqueue(std::move(op), opts.timeout, OpType::REDUCE, tensors, opts.asyncOp,
-                 [t, fn, root, reduceOp](const Comm& c) {
+                 [h, fn, root, reduceOp](const Comm& c) {
                    // Non-roots work on a copy: their input stays as it was.
-                   at::Tensor s = c.rank == root ? staged(t) : t.contiguous().clone();
+                   at::Tensor s = c.rank == root ? staged(h) : h.contiguous().clone();
                    reduceRing(c, bytesOf(s), s.numel(), s.element_size(), fn, root);
                    if (c.rank == root) {
                      finishAverage(reduceOp, s, c.size);
-                     writeBack(t, s);
+                     writeBack(h, s);
                    }
-                 });
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
@@ -129,15 +142,21 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
   checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
   for (const auto& t : outputs[0]) checkWritable(ctx, t, "output tensor");
   OpInfo op = makeOp(OpKind::kAllgather, "allgather", in, kNoReduceOp, in.numel());
-  auto outs = outputs[0];
-  return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER, outs, opts.asyncOp,
-                 [in, outs](const Comm& c) {
+  std::vector<at::Tensor> all = outputs[0];
+  all.push_back(in);
+  DeviceStage stage = DeviceStage::begin(ctx, all);
+  std::vector<at::Tensor> outs;
+  for (const auto& t : outputs[0]) outs.push_back(stage.out(t));
+  at::Tensor h = stage.in(in);
+  return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER, outputs[0], opts.asyncOp,
+                 [in = h, outs](const Comm& c) {
                    auto s = stagedAll(outs);
                    s[c.rank].view(-1).copy_(in.reshape(-1));
                    std::vector<size_t> counts(c.size, static_cast<size_t>(in.numel()));
                    allgatherRing(c, blocksOf(s), counts, in.element_size());
                    writeBackAll(outs, s);
-                 });
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
@@ -150,7 +169,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
   checkWritable(ctx, output, "output");
   OpInfo op = makeOp(OpKind::kAllgather, "allgather_into_tensor", input, kNoReduceOp,
                      input.numel());
-  at::Tensor in = input, out = output;
+  DeviceStage stage = DeviceStage::begin(ctx, {input, output});
+  at::Tensor in = stage.in(input), out = stage.out(output);
   return enqueue(std::move(op), opts.timeout, OpType::_ALLGATHER_BASE, {output}, opts.asyncOp,
                  [in, out](const Comm& c) {
                    at::Tensor s = staged(out);
@@ -160,7 +180,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
                    allgatherRing(c, blocksOf(blocks), std::vector<size_t>(c.size, count),
                                  in.element_size());
                    writeBack(out, s);
-                 });
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
@@ -186,10 +207,18 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
     }
   }
   OpInfo op = makeOp(OpKind::kAllgather, "allgather_coalesced", inputs[0], kNoReduceOp, total);
-  auto ins = inputs;
-  auto outs = outputLists;
   std::vector<at::Tensor> flatOuts;
   for (auto& l : outputLists) flatOuts.insert(flatOuts.end(), l.begin(), l.end());
+  std::vector<at::Tensor> all = flatOuts;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  DeviceStage stage = DeviceStage::begin(ctx, all);
+  std::vector<at::Tensor> ins;
+  for (const auto& t : inputs) ins.push_back(stage.in(t));
+  std::vector<std::vector<at::Tensor>> outs;
+  for (const auto& l : outputLists) {
+    outs.emplace_back();
+    for (const auto& t : l) outs.back().push_back(stage.out(t));
+  }
   return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, flatOuts, opts.asyncOp,
                  [ins, outs, total](const Comm& c) {
                    at::Tensor all = at::empty({total * c.size}, ins[0].options());
@@ -205,7 +234,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
                        offset += t.numel();
                      }
                    }
-                 });
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -231,8 +261,14 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
                    "only the root (rank ", root, ") takes output tensors");
   }
   OpInfo op = makeOp(OpKind::kGather, "gather", in, kNoReduceOp, in.numel(), root);
+  std::vector<at::Tensor> all = outs;
+  all.push_back(in);
+  DeviceStage stage = DeviceStage::begin(ctx, all);
+  std::vector<at::Tensor> hostOuts;
+  for (const auto& t : outs) hostOuts.push_back(stage.out(t));
+  at::Tensor h = stage.in(in);
   return enqueue(std::move(op), opts.timeout, OpType::GATHER, outs, opts.asyncOp,
-                 [in, outs, root](const Comm& c) {
+                 [in = h, outs = hostOuts, root](const Comm& c) {
                    std::vector<size_t> bytes(c.size, nbytes(in));
                    if (c.rank != root) {
                      at::Tensor s = staged(in);
@@ -245,7 +281,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
                    s[c.rank].view(-1).copy_(in.reshape(-1));
                    gatherDirect(c, blocksOf(s), bytes, root);
                    writeBackAll(outs, s);
-                 });
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -269,8 +306,14 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& out
                    "only the root (rank ", root, ") takes input tensors");
   }
   OpInfo op = makeOp(OpKind::kScatter, "scatter", out, kNoReduceOp, out.numel(), root);
+  std::vector<at::Tensor> all = ins;
+  all.push_back(out);
+  DeviceStage stage = DeviceStage::begin(ctx, all);
+  std::vector<at::Tensor> hostIns;
+  for (const auto& t : ins) hostIns.push_back(stage.in(t));
+  at::Tensor h = stage.out(out);
   return enqueue(std::move(op), opts.timeout, OpType::SCATTER, outputs, opts.asyncOp,
-                 [ins, out, root](const Comm& c) {
+                 [ins = hostIns, out = h, root](const Comm& c) {
                    std::vector<size_t> bytes(c.size, nbytes(out));
                    at::Tensor s = staged(out);
                    if (c.rank != root) {
@@ -283,7 +326,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& out
                      s.view(-1).copy_(sIn[root].reshape(-1));
                    }
                    writeBack(out, s);
-                 });
+                 },
+                 std::move(stage));
 }
 
 }  // namespace ringreduce

@@ -2,6 +2,7 @@
 #include <numeric>
 
 #include "algorithms/algorithms.h"
+#include "backend/device_stage.h"
 #include "backend/ring_backend.h"
 #include "backend/validate.h"
 
@@ -64,14 +65,20 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
   ReduceFn fn = checkReduce(ctx, out.scalar_type(), opts.reduceOp);
   OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter", out,
                      static_cast<uint8_t>(opts.reduceOp.op_), out.numel());
-  auto ins = inputs[0];
   auto reduceOp = opts.reduceOp;
+  std::vector<at::Tensor> all = inputs[0];
+  all.push_back(out);
+  DeviceStage stage = DeviceStage::begin(ctx, all);
+  std::vector<at::Tensor> ins;
+  for (const auto& t : inputs[0]) ins.push_back(stage.in(t));
+  at::Tensor h = stage.out(out);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp,
-                 [ins, out, fn, reduceOp](const Comm& c) {
+                 [ins, out = h, fn, reduceOp](const Comm& c) {
                    std::vector<at::Tensor> flat;
                    for (const auto& t : ins) flat.push_back(t.reshape(-1));
                    reduceScatterInto(c, at::cat(flat), out, fn, reduceOp);
-                 });
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
@@ -84,12 +91,14 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
   ReduceFn fn = checkReduce(ctx, output.scalar_type(), opts.reduceOp);
   OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor", output,
                      static_cast<uint8_t>(opts.reduceOp.op_), output.numel());
-  at::Tensor in = input, out = output;
   auto reduceOp = opts.reduceOp;
+  DeviceStage stage = DeviceStage::begin(ctx, {input, output});
+  at::Tensor in = stage.in(input), out = stage.out(output);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp,
                  [in, out, fn, reduceOp](const Comm& c) {
                    reduceScatterInto(c, in.reshape(-1).clone(), out, fn, reduceOp);
-                 });
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -109,7 +118,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
   // Per-peer sizes differ legitimately, so `total` is unchecked; the header's
   // byte count still catches splits that disagree across ranks.
   OpInfo op = makeOp(OpKind::kAlltoall, "alltoall_base", input, kNoReduceOp, kUnchecked);
-  at::Tensor in = input, out = output;
+  DeviceStage stage = DeviceStage::begin(ctx, {input, output});
+  at::Tensor in = stage.in(input), out = stage.out(output);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp,
                  [in, out, sendBytes, recvBytes](const Comm& c) {
                    at::Tensor sIn = staged(in), sOut = staged(out);
@@ -122,7 +132,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
                    }
                    alltoallPairwise(c, sendPtrs, sendBytes, recvPtrs, recvBytes);
                    writeBack(out, sOut);
-                 });
+                 },
+                 std::move(stage));
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -146,7 +157,12 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& ou
   RR_CHECK_VALUE(inputs[getRank()].numel() == outputs[getRank()].numel(), ctx,
                  "input and output ", getRank(), " (this rank's own) differ in size");
   OpInfo op = makeOp(OpKind::kAlltoall, "alltoall", inputs[0], kNoReduceOp, kUnchecked);
-  auto ins = inputs, outs = outputs;
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  DeviceStage stage = DeviceStage::begin(ctx, all);
+  std::vector<at::Tensor> ins, outs;
+  for (const auto& t : inputs) ins.push_back(stage.in(t));
+  for (const auto& t : outputs) outs.push_back(stage.out(t));
   return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL, outputs, opts.asyncOp,
                  [ins, outs, sendBytes, recvBytes](const Comm& c) {
                    std::vector<at::Tensor> sIn, sOut;
@@ -160,7 +176,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& ou
                    }
                    alltoallPairwise(c, sendPtrs, sendBytes, recvPtrs, recvBytes);
                    for (int i = 0; i < c.size; ++i) writeBack(outs[i], sOut[i]);
-                 });
+                 },
+                 std::move(stage));
 }
 
 }  // namespace ringreduce

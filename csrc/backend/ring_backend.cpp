@@ -109,8 +109,9 @@ void RingBackend::rootOnlyChecks(const OpContext& ctx, const std::function<void(
 c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
                                                     c10d::OpType type,
                                                     std::vector<at::Tensor> outputs, bool asyncOp,
-                                                    Job run) {
-  auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs));
+                                                    Job run, DeviceStage stage) {
+  stage.seal();
+  auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs), std::move(stage));
   Entry e{std::move(op), effective(opTimeout), work, std::move(run)};
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -142,9 +143,12 @@ void RingBackend::runEntry(Entry& e) {
   e.op.timeout = e.timeout;
   e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
   Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_};
+  DeviceStage& stage = e.work->stage();
   try {
+    stage.beforeRun();  // CUDA: the copies to the host are done
     e.run(comm);
     transport_->confirm(e.op);
+    stage.afterRun();  // CUDA: the results go back only after a successful op
     e.work->complete();
   } catch (const std::exception& err) {
     // A rank that fails mid-op has left the protocol: abort, so its peers
@@ -179,7 +183,10 @@ uint64_t RingBackend::getSequenceNumberForGroup() {
   return seq_;
 }
 
-std::string RingBackend::transportKind() const {
+std::string RingBackend::transportKind(const std::string& device) const {
+  if (device == "cuda") return cudaPathName();
+  TORCH_CHECK_VALUE(device == "cpu", "[ringreduce] transport_kind: unknown device '", device,
+                    "' (expected 'cpu' or 'cuda')");
   return transport_.get() == static_cast<Transport*>(tcp_) ? "tcp" : "shm";
 }
 
@@ -218,7 +225,12 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
   op.timeout = timeout_;
   op.deadline = std::chrono::steady_clock::now() + timeout_;
   auto work = c10::make_intrusive<RingWork>(op.ctx, c10d::OpType::SEND, tensors);
-  at::Tensor s = staged(t);  // kept alive by the callback until sent
+  // CUDA: the host waits for the copy to the host; the message leaves now.
+  DeviceStage stage = DeviceStage::begin(op.ctx, {t});
+  at::Tensor h = stage.in(t);
+  stage.seal();
+  stage.beforeRun();
+  at::Tensor s = staged(h);  // kept alive by the callback until sent
   transport_->postSend(op, dstRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
                        [work, s](int, std::exception_ptr err) {
                          err ? work->fail(err) : work->complete();
@@ -254,17 +266,21 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
   op.timeout = timeout_;
   op.deadline = std::chrono::steady_clock::now() + timeout_;
   auto type = srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV;
-  auto work = c10::make_intrusive<RingWork>(op.ctx, type, tensors);
-  at::Tensor s = staged(t);
+  DeviceStage stage = DeviceStage::begin(op.ctx, {t});
+  at::Tensor h = stage.out(t);  // CUDA: copied back on the internal stream
+  stage.seal();
+  auto work = c10::make_intrusive<RingWork>(op.ctx, type, tensors, std::move(stage));
+  at::Tensor s = staged(h);
   transport_->postRecv(op, srcRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
-                       [work, s, t](int source, std::exception_ptr err) {
+                       [work, s, h](int source, std::exception_ptr err) {
                          if (err) {
                            work->fail(err);
                            return;
                          }
                          try {
                            at::NoGradGuard noGrad;
-                           writeBack(t, s);
+                           writeBack(h, s);
+                           work->stage().afterRun();
                          } catch (...) {
                            work->fail(std::current_exception());
                            return;

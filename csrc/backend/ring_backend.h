@@ -86,8 +86,10 @@ class RingBackend : public c10d::Backend {
   void abort() override;
 
   std::string listenAddress() const;
-  // "shm" when collectives go through shared memory, else "tcp".
-  std::string transportKind() const;
+  // "shm" when collectives go through shared memory, else "tcp"; for
+  // device "cuda": how CUDA tensors travel ("host-staging", "none" in a CPU
+  // build).
+  std::string transportKind(const std::string& device = "cpu") const;
   std::vector<std::string> refusedConnections() const;
   uint64_t refusedCount() const;
 
@@ -112,9 +114,11 @@ class RingBackend : public c10d::Backend {
   // Queues the op for the worker; a synchronous op (asyncOp false) finding
   // the worker idle runs inline on the caller's thread instead, saving two
   // thread hand-offs (the latency of small collectives).
+  // `stage` holds the host twins of an op on CUDA tensors (the Job uses the
+  // twins; `outputs` stay the caller's tensors).
   c10::intrusive_ptr<c10d::Work> enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
                                          c10d::OpType type, std::vector<at::Tensor> outputs,
-                                         bool asyncOp, Job run);
+                                         bool asyncOp, Job run, DeviceStage stage = {});
   void runEntry(Entry& e);
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);

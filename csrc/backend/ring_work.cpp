@@ -4,16 +4,28 @@
 
 namespace ringreduce {
 
-RingWork::RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs)
+namespace {
+
+std::vector<c10::Device> devicesOf(const DeviceStage& stage) {
+  auto device = stage.device();
+  return device ? std::vector<c10::Device>{*device} : std::vector<c10::Device>{};
+}
+
+}  // namespace
+
+RingWork::RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs,
+                   DeviceStage stage)
     : c10d::Work(ctx.rank, type),
       ctx_(std::move(ctx)),
       outputs_(std::move(outputs)),
+      stage_(std::move(stage)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {}
+          c10::ListType::create(c10::TensorType::get()), devicesOf(stage_))) {}
 
 bool RingWork::isCompleted() {
   std::lock_guard<std::mutex> lock(doneMu_);
-  return done_;
+  // A CUDA op is complete once its copies back have run on the GPU too.
+  return done_ && (error_ || stage_.query());
 }
 
 bool RingWork::isSuccess() const {
@@ -46,6 +58,8 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
   if (error_) {
     std::rethrow_exception(error_);
   }
+  lock.unlock();
+  stage_.blockCurrentStream();  // CUDA: the caller's stream waits, the host does not
   return true;
 }
 
@@ -64,7 +78,8 @@ void RingWork::complete(int sourceRank) {
     sourceRank_ = sourceRank;
   }
   doneCv_.notify_all();
-  future_->markCompleted(c10::IValue(outputs_));
+  // CUDA: the Future's events are recorded on the stream of the copies back.
+  stage_.onInternalStream([this] { future_->markCompleted(c10::IValue(outputs_)); });
 }
 
 void RingWork::fail(std::exception_ptr error) {

@@ -1,5 +1,8 @@
 // The Work a collective returns. It is always completed, with the error if the
 // op failed; its future's value is the output tensor list (DDP reads it).
+// For CUDA tensors (a non-empty DeviceStage) it behaves as NCCL's: wait()
+// waits on the host for the CPU part only, then makes the caller's current
+// stream wait for the copies back; the Future records CUDA events.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -7,13 +10,15 @@
 #include <condition_variable>
 #include <mutex>
 
+#include "backend/device_stage.h"
 #include "common/errors.h"
 
 namespace ringreduce {
 
 class RingWork : public c10d::Work {
  public:
-  RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs);
+  RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs,
+           DeviceStage stage = {});
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -26,6 +31,8 @@ class RingWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override;
 
+  DeviceStage& stage() { return stage_; }
+
   // Called once, by the thread that ran the op.
   void complete(int sourceRank = -1);
   void fail(std::exception_ptr error);
@@ -33,6 +40,7 @@ class RingWork : public c10d::Work {
  private:
   const OpContext ctx_;
   std::vector<at::Tensor> outputs_;
+  DeviceStage stage_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   mutable std::mutex doneMu_;
   std::condition_variable doneCv_;

@@ -8,9 +8,14 @@ void checkTensor(const OpContext& ctx, const at::Tensor& t, const std::string& w
   RR_CHECK_VALUE(t.defined(), ctx, what, " is an undefined tensor");
   RR_CHECK_VALUE(t.layout() == at::kStrided, ctx, what, " must be dense, got ", describe(t),
                  " (sparse tensors are not supported)");
+#ifdef RINGREDUCE_WITH_CUDA
+  RR_CHECK_VALUE(t.device().is_cpu() || t.is_cuda(), ctx, what,
+                 " must be a CPU or CUDA tensor, got ", describe(t));
+#else
   RR_CHECK_VALUE(!t.is_cuda(), ctx, what, " is ", describe(t),
                  ": CUDA tensors need the CUDA build of torch_ringreduce (not built here)");
   RR_CHECK_VALUE(t.device().is_cpu(), ctx, what, " must be a CPU tensor, got ", describe(t));
+#endif
   // Every dtype we move has a SUM kernel (bool's is OR), so that is the test.
   RR_CHECK_VALUE(reduceFunction(t.scalar_type(), c10d::ReduceOp::SUM, nullptr) != nullptr, ctx,
                  what, " has unsupported dtype ", dtypeName(t.scalar_type()));

@@ -13,7 +13,8 @@
 
 namespace ringreduce {
 
-// A defined, dense CPU tensor of a supported dtype.
+// A defined, dense tensor of a supported dtype, on the CPU (or a CUDA device
+// in a CUDA build).
 void checkTensor(const OpContext& ctx, const at::Tensor& t, const std::string& what);
 // A tensor the op writes into: checkTensor-valid and not expanded or
 // otherwise self-overlapping (one element would receive several results).

@@ -26,9 +26,10 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("listen_address", &ringreduce::RingBackend::listenAddress,
            "'ip:port' this rank accepts peer connections on")
-      .def("transport_kind", &ringreduce::RingBackend::transportKind,
-           "'shm' when collectives go through shared memory (every rank on this host), "
-           "else 'tcp'")
+      .def("transport_kind", &ringreduce::RingBackend::transportKind, py::arg("device") = "cpu",
+           "device 'cpu': 'shm' when collectives go through shared memory (every rank on "
+           "this host), else 'tcp'; device 'cuda': how CUDA tensors travel, "
+           "'host-staging' ('none' in a build without CUDA)")
       .def("refused_connections", &ringreduce::RingBackend::refusedConnections,
            "Why the most recent refused (unauthenticated) connections were refused")
       .def("refused_connection_count", &ringreduce::RingBackend::refusedCount,

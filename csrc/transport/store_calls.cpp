@@ -43,11 +43,11 @@ std::chrono::milliseconds remaining(StoreCalls::Clock::time_point deadline) {
 // longer the caller waits for the helper's answer before calling it late.
 constexpr auto kAnswerGrace = std::chrono::milliseconds(200);
 
-}  // namespace
-
-bool StoreCalls::run(Clock::time_point deadline, std::function<void(c10d::Store&)> fn) {
+// Starts fn on a detached helper thread; the state says when it is done.
+std::shared_ptr<CallState> start(const c10::intrusive_ptr<c10d::Store>& store,
+                                 std::function<void(c10d::Store&)> fn) {
   auto state = std::make_shared<CallState>();
-  std::thread([state, store = store_, fn = std::move(fn)] {
+  std::thread([state, store, fn = std::move(fn)] {
     std::exception_ptr error;
     try {
       fn(*store);
@@ -59,6 +59,13 @@ bool StoreCalls::run(Clock::time_point deadline, std::function<void(c10d::Store&
     state->error = error;
     state->cv.notify_all();
   }).detach();
+  return state;
+}
+
+}  // namespace
+
+bool StoreCalls::run(Clock::time_point deadline, std::function<void(c10d::Store&)> fn) {
+  auto state = start(store_, std::move(fn));
   std::unique_lock<std::mutex> lock(state->mu);
   if (!state->cv.wait_until(lock, deadline, [&] { return state->done; })) return false;
   if (state->error) std::rethrow_exception(state->error);
@@ -104,19 +111,35 @@ int64_t StoreCalls::add(const std::string& key, int64_t delta, Clock::time_point
 
 bool StoreCalls::waitFor(const std::string& key, Clock::time_point deadline,
                          const std::string& what) {
-  bool answered = false;
-  try {
-    const auto budget = remaining(deadline);
-    answered = run(deadline + kAnswerGrace,
-                   [key, budget](c10d::Store& s) { s.wait({key}, budget); });
-  } catch (...) {
-    // The store's own wait ran out: the key is missing, the store is fine.
-    if (Clock::now() + std::chrono::milliseconds(50) >= deadline) return false;
-    throwTransportError(prefix_ + " " + what + ": the store failed: " +
-                        errorText(std::current_exception()));
+  return waitImpl(key, deadline, what, {}, std::chrono::milliseconds(0));
+}
+
+bool StoreCalls::waitForUnless(const std::string& key, Clock::time_point deadline,
+                               const std::string& what, const std::function<bool()>& stop,
+                               std::chrono::milliseconds slice) {
+  return waitImpl(key, deadline, what, stop, slice);
+}
+
+bool StoreCalls::waitImpl(const std::string& key, Clock::time_point deadline,
+                          const std::string& what, const std::function<bool()>& stop,
+                          std::chrono::milliseconds slice) {
+  const auto budget = remaining(deadline);
+  auto state = start(store_, [key, budget](c10d::Store& s) { s.wait({key}, budget); });
+  const auto answerBy = deadline + kAnswerGrace;
+  std::unique_lock<std::mutex> lock(state->mu);
+  while (!state->done) {
+    const auto until = stop ? std::min(answerBy, Clock::now() + slice) : answerBy;
+    if (state->cv.wait_until(lock, until, [&] { return state->done; })) break;
+    if (Clock::now() >= answerBy) throwLate(what, deadline, "");
+    lock.unlock();
+    const bool stopped = stop();
+    lock.lock();
+    if (stopped && !state->done) return false;
   }
-  if (!answered) throwLate(what, deadline, "");
-  return true;
+  if (!state->error) return true;
+  // The store's own wait ran out: the key is missing, the store is fine.
+  if (Clock::now() + std::chrono::milliseconds(50) >= deadline) return false;
+  throwTransportError(prefix_ + " " + what + ": the store failed: " + errorText(state->error));
 }
 
 std::string StoreCalls::get(const std::string& key, Clock::time_point deadline,

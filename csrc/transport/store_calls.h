@@ -41,6 +41,12 @@ class StoreCalls {
   // True once `key` exists, false if it does not by the deadline (no throw for
   // that); throws only if the store fails or stops answering.
   bool waitFor(const std::string& key, Clock::time_point deadline, const std::string& what);
+  // waitFor that also calls `stop()` every `slice` while the store has not
+  // answered; stop() returning true ends the wait at once (false is returned;
+  // the one store call finishes on its own thread). A store that is merely
+  // slow to answer is not an error before `deadline`.
+  bool waitForUnless(const std::string& key, Clock::time_point deadline, const std::string& what,
+                     const std::function<bool()>& stop, std::chrono::milliseconds slice);
 
   // Best effort, for the error path: never throw. nullopt when the key is
   // absent or the store did not answer in time (*answered says which).
@@ -58,6 +64,9 @@ class StoreCalls {
   // Runs fn on a helper thread; true when it finished before the deadline
   // (rethrowing what it threw), false when the deadline passed first.
   bool run(Clock::time_point deadline, std::function<void(c10d::Store&)> fn);
+  // waitFor's body: `stop` (may be empty) is asked every `slice`.
+  bool waitImpl(const std::string& key, Clock::time_point deadline, const std::string& what,
+                const std::function<bool()>& stop, std::chrono::milliseconds slice);
   [[noreturn]] void throwLate(const std::string& what, Clock::time_point deadline,
                               const std::string& missing) const;
 

@@ -1,0 +1,196 @@
+#include "backend/device_stage.h"
+
+#ifdef RINGREDUCE_WITH_CUDA
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <map>
+#include <mutex>
+#endif
+
+namespace ringreduce {
+
+#ifdef RINGREDUCE_WITH_CUDA
+
+namespace {
+
+// One internal stream per device for the copies of every group in the
+// process: the copies of one op are ordered by events, never by the stream.
+c10::cuda::CUDAStream internalStream(c10::DeviceIndex index) {
+  static std::mutex mu;
+  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams.find(index);
+  if (it == streams.end()) {
+    it = streams.emplace(index, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index))
+             .first;
+  }
+  return it->second;
+}
+
+}  // namespace
+
+struct DeviceStage::Impl {
+  Impl(c10::Device d, c10::cuda::CUDAStream s) : device(d), stream(s) {}
+
+  c10::Device device;
+  c10::cuda::CUDAStream stream;
+  // c10's device-generic event (ATen's CUDAEvent would need the CUDA math
+  // libraries' headers to compile).
+  c10::Event staged{c10::DeviceType::CUDA};  // the copies to the host are done
+  c10::Event done{c10::DeviceType::CUDA};    // the copies back are done
+  // (caller's tensor, its host twin) pairs to copy back after the op.
+  std::vector<std::pair<at::Tensor, at::Tensor>> back;
+
+  at::Tensor twin(const at::Tensor& t) const {
+    return at::empty(t.sizes(), at::TensorOptions()
+                                    .dtype(t.scalar_type())
+                                    .device(at::kCPU)
+                                    .pinned_memory(true));
+  }
+  // The internal stream uses t: its memory is not reused before that is done.
+  void record(const at::Tensor& t) const {
+    if (t.numel() > 0 && t.storage().data_ptr().get() != nullptr) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+    }
+  }
+};
+
+DeviceStage DeviceStage::begin(const OpContext& ctx, const std::vector<at::Tensor>& tensors) {
+  const at::Tensor* first = nullptr;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.is_cuda()) {
+      first = &t;
+      break;
+    }
+  }
+  if (first == nullptr) return {};
+  for (const auto& t : tensors) {
+    RR_CHECK_VALUE(!t.defined() || t.device() == first->device(), ctx,
+                   "all tensors of one op must be on one device, got ", describe(*first),
+                   " and ", describe(t));
+  }
+  const c10::Device device = first->device();
+  c10::cuda::CUDAGuard guard(device);
+  DeviceStage stage;
+  stage.impl_ = std::make_shared<Impl>(device, internalStream(device.index()));
+  // The copies start after everything the caller queued before the op.
+  c10::Event ready(c10::DeviceType::CUDA);
+  ready.record(c10::cuda::getCurrentCUDAStream(device.index()));
+  ready.block(stage.impl_->stream);
+  return stage;
+}
+
+std::optional<c10::Device> DeviceStage::device() const {
+  if (!impl_) return std::nullopt;
+  return impl_->device;
+}
+
+at::Tensor DeviceStage::in(const at::Tensor& t) {
+  if (!impl_) return t;
+  at::Tensor host = impl_->twin(t);
+  {
+    c10::cuda::CUDAStreamGuard guard(impl_->stream);
+    host.copy_(t, /*non_blocking=*/true);
+  }
+  impl_->record(t);
+  return host;
+}
+
+at::Tensor DeviceStage::out(const at::Tensor& t) {
+  if (!impl_) return t;
+  at::Tensor host = impl_->twin(t);
+  impl_->back.emplace_back(t, host);
+  impl_->record(t);
+  return host;
+}
+
+at::Tensor DeviceStage::inout(const at::Tensor& t) {
+  if (!impl_) return t;
+  at::Tensor host = in(t);
+  impl_->back.emplace_back(t, host);
+  return host;
+}
+
+void DeviceStage::seal() {
+  if (!impl_) return;
+  c10::cuda::CUDAGuard guard(impl_->device);
+  impl_->staged.record(impl_->stream);
+}
+
+void DeviceStage::beforeRun() {
+  if (impl_) impl_->staged.synchronize();
+}
+
+void DeviceStage::afterRun() {
+  if (!impl_) return;
+  c10::cuda::CUDAGuard guard(impl_->device);
+  c10::cuda::CUDAStreamGuard onStream(impl_->stream);
+  for (auto& [deviceTensor, host] : impl_->back) {
+    deviceTensor.copy_(host, /*non_blocking=*/true);
+  }
+  impl_->done.record(impl_->stream);
+}
+
+void DeviceStage::onInternalStream(const std::function<void()>& fn) {
+  if (!impl_) {
+    fn();
+    return;
+  }
+  c10::cuda::CUDAGuard guard(impl_->device);
+  c10::cuda::CUDAStreamGuard onStream(impl_->stream);
+  fn();
+}
+
+void DeviceStage::blockCurrentStream() {
+  if (!impl_) return;
+  c10::cuda::CUDAGuard guard(impl_->device);
+  impl_->done.block(c10::cuda::getCurrentCUDAStream(impl_->device.index()));
+}
+
+bool DeviceStage::query() const {
+  return !impl_ || impl_->done.query();
+}
+
+const char* cudaPathName() {
+  return "host-staging";
+}
+
+#else  // no CUDA in this build: every stage is empty
+
+struct DeviceStage::Impl {};
+
+DeviceStage DeviceStage::begin(const OpContext&, const std::vector<at::Tensor>&) {
+  return {};
+}
+std::optional<c10::Device> DeviceStage::device() const {
+  return std::nullopt;
+}
+at::Tensor DeviceStage::in(const at::Tensor& t) {
+  return t;
+}
+at::Tensor DeviceStage::out(const at::Tensor& t) {
+  return t;
+}
+at::Tensor DeviceStage::inout(const at::Tensor& t) {
+  return t;
+}
+void DeviceStage::seal() {}
+void DeviceStage::beforeRun() {}
+void DeviceStage::afterRun() {}
+void DeviceStage::onInternalStream(const std::function<void()>& fn) {
+  fn();
+}
+void DeviceStage::blockCurrentStream() {}
+bool DeviceStage::query() const {
+  return true;
+}
+const char* cudaPathName() {
+  return "none";
+}
+
+#endif
+
+}  // namespace ringreduce

@@ -1,0 +1,74 @@
+// DeviceStage: how a collective on CUDA tensors runs over the CPU transports
+// (host staging). The ring algorithms only ever see host memory; for a CUDA
+// op the calling thread gives every CUDA tensor a pinned host twin:
+//
+//   caller thread   ready = event on the caller's current stream
+//                   internal stream waits for `ready`, copies device -> twin
+//                   staged = event on the internal stream        (seal())
+//   worker thread   waits for `staged` on the host                (beforeRun())
+//                   runs the CPU algorithm on the twins
+//                   copies twin -> device on the internal stream,
+//                   done = event on the internal stream           (afterRun())
+//   Work.wait()     the caller's current stream waits for `done`: the host
+//                   does not wait for the GPU (NCCL's semantics)
+//
+// Tensors the internal stream touches are recorded on it (recordStream), so
+// freeing them early cannot hand their memory to other work too soon; pinned
+// twins are released through torch's host allocator, which waits for the
+// copies that read them. A CPU-only op has an empty stage and pays nothing.
+// In a build without CUDA the stage is always empty (CUDA tensors are
+// rejected by validation first).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "common/errors.h"
+
+namespace ringreduce {
+
+class DeviceStage {
+ public:
+  DeviceStage() = default;
+  // The stage of an op over `tensors`: empty when all are on the CPU. All of
+  // an op's tensors must be on one device (a ValueError names the odd one).
+  static DeviceStage begin(const OpContext& ctx, const std::vector<at::Tensor>& tensors);
+
+  bool active() const { return impl_ != nullptr; }
+  std::optional<c10::Device> device() const;
+
+  // The host tensor the algorithm uses in place of t (t itself when inactive):
+  // in: read by the op (copied to the host); out: written by the op (copied
+  // back after); inout: both.
+  at::Tensor in(const at::Tensor& t);
+  at::Tensor out(const at::Tensor& t);
+  at::Tensor inout(const at::Tensor& t);
+
+  // Caller thread, after the last in/out/inout: marks the end of the copies
+  // to the host.
+  void seal();
+  // Blocks the calling (worker) thread until the copies to the host are done.
+  void beforeRun();
+  // Queues the copies back to the device; only after a successful op.
+  void afterRun();
+  // Runs fn with the internal stream current (the Future records its events
+  // on it).
+  void onInternalStream(const std::function<void()>& fn);
+  // The caller's current stream waits for the copies back (no host wait).
+  void blockCurrentStream();
+  // Whether the copies back have finished on the GPU.
+  bool query() const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+// "host-staging" in a CUDA build, else "none": how CUDA tensors travel.
+const char* cudaPathName();
+
+}  // namespace ringreduce
