@@ -1,0 +1,83 @@
+"""Small-message latency of the rooted collectives, for comparing two builds.
+
+    python scripts/bench_latency.py                          # this checkout, 2 ranks, shm
+    python scripts/bench_latency.py --repo /tmp/old --shm 0  # another checkout's build, TCP
+
+Each op (all_reduce, broadcast, gather, scatter, barrier) of 4 KiB of float32
+runs 200 times as warm-up, then 5 repeats of 1,000; the line printed is rank
+0's median repeat per op, in microseconds, as JSON. Run two builds alternately
+several times and compare medians: one run on a busy machine means little.
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rank_main(rank, args, path, queue):
+    sys.path.insert(0, args.repo)
+    import torch
+    import torch.distributed as dist
+    import torch_ringreduce
+
+    if not torch_ringreduce.__file__.startswith(os.path.abspath(args.repo)):
+        raise SystemExit(f"imported {torch_ringreduce.__file__}, not the build in {args.repo}")
+    dist.init_process_group("ringreduce", store=dist.FileStore(path, args.nproc), rank=rank,
+                            world_size=args.nproc, timeout=timedelta(seconds=60))
+    t = torch.ones(args.bytes // 4)
+    blocks = [torch.empty_like(t) for _ in range(args.nproc)]
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(t),
+        "broadcast": lambda: dist.broadcast(t, src=0),
+        "gather": lambda: dist.gather(t, blocks if rank == 0 else None, dst=0),
+        "scatter": lambda: dist.scatter(t, blocks if rank == 0 else None, src=0),
+        "barrier": dist.barrier,
+    }
+    medians = {}
+    for name, op in ops.items():
+        for _ in range(200):
+            op()
+        repeats = []
+        for _ in range(5):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(args.iters):
+                op()
+            dist.barrier()  # ends with the slowest rank
+            repeats.append((time.perf_counter() - started) / args.iters * 1e6)
+        medians[name] = round(sorted(repeats)[2], 1)
+    queue.put((rank, medians))
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repo", default=HERE, help="checkout whose built torch_ringreduce to use")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--shm", choices=["0", "1"], default="1", help="RINGREDUCE_SHM")
+    p.add_argument("--bytes", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=1000)
+    args = p.parse_args()
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # import the --repo build, not the installed one
+    os.environ["RINGREDUCE_SHM"] = args.shm
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    path = os.path.join(tempfile.mkdtemp(), "store")
+    procs = [ctx.Process(target=rank_main, args=(r, args, path, queue))
+             for r in range(args.nproc)]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for proc in procs:
+        proc.join()
+    print(json.dumps(results[0]))
+
+
+if __name__ == "__main__":
+    main()
