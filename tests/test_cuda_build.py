@@ -1,5 +1,6 @@
 """The CUDA kernels compile with nvcc alone, even on a machine that cannot run
 them (CI has nvcc but no GPU); the device routing compiles in CUDA mode."""
+import glob
 import os
 import shutil
 import subprocess
@@ -13,10 +14,19 @@ NVCC = shutil.which("nvcc") or (
     os.path.join(cpp_ext.CUDA_HOME, "bin", "nvcc") if cpp_ext.CUDA_HOME else None)
 
 
+CU_SOURCES = sorted(os.path.relpath(p, os.path.join(REPO, "csrc"))
+                    for p in glob.glob(os.path.join(REPO, "csrc", "**", "*.cu"), recursive=True))
+
+
+def test_cu_sources_are_found():
+    assert "kernels/cuda/sync_bn_kernels.cu" in CU_SOURCES, CU_SOURCES
+
+
 @pytest.mark.skipif(not NVCC or not os.path.exists(NVCC), reason="nvcc not installed")
-def test_sync_bn_kernels_compile_with_nvcc(tmp_path):
-    src = os.path.join(REPO, "csrc", "kernels", "cuda", "sync_bn_kernels.cu")
-    out = tmp_path / "sync_bn_kernels.o"
+@pytest.mark.parametrize("source", CU_SOURCES)
+def test_cu_sources_compile_with_nvcc(tmp_path, source):
+    src = os.path.join(REPO, "csrc", source)
+    out = tmp_path / "kernel.o"
     proc = subprocess.run([NVCC, "-std=c++17", "-O1", "-I", os.path.join(REPO, "csrc"), "-c", src,
                            "-o", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -50,10 +60,31 @@ def _cuda_include():
 
 
 @pytest.mark.skipif(_cuda_include() is None, reason="no CUDA toolkit headers")
-@pytest.mark.parametrize("source", ["kernels/cuda/sync_bn_cuda.cpp", "ops/sync_batch_norm.cpp",
-                                    "backend/device_stage.cpp", "backend/ring_work.cpp",
-                                    "backend/ring_backend.cpp", "backend/collectives.cpp",
-                                    "backend/collectives_scatter.cpp", "backend/validate.cpp"])
+def _cuda_mode_sources():
+    """Every C++ source the CUDA flavour compiles differently: those under a cuda/
+    or nccl/ folder and those that test RINGREDUCE_WITH_CUDA, or include a header
+    that does (new CUDA code is checked without editing this list)."""
+    root = os.path.join(REPO, "csrc")
+    texts = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith((".cpp", ".h")):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    texts[os.path.relpath(path, root)] = f.read()
+    flagged = {rel for rel, text in texts.items()
+               if "RINGREDUCE_WITH_CUDA" in text or "/cuda/" in f"/{rel}" or "/nccl/" in f"/{rel}"}
+    headers = {rel for rel in flagged if rel.endswith(".h")}
+    return sorted(rel for rel, text in texts.items() if rel.endswith(".cpp") and (
+        rel in flagged or any(f'#include "{h}"' in text for h in headers)))
+
+
+def test_cuda_mode_sources_are_found():
+    found = _cuda_mode_sources()
+    assert "backend/device_stage.cpp" in found and "kernels/cuda/sync_bn_cuda.cpp" in found, found
+
+
+@pytest.mark.parametrize("source", _cuda_mode_sources())
 def test_cuda_flavour_sources_compile(tmp_path, source):
     """The ATen side of the CUDA build (device guard, streams, launch checks) and the
     fused op, checked for syntax and types in CUDA mode. A CPU-only torch wheel lacks

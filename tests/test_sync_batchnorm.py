@@ -281,9 +281,12 @@ def test_compiled_kernels_match_reference(shape, fmt, dtype):
 
 # ------------------------------------------------------------------ CUDA
 #
-# The same parity tests on CUDA tensors. Every rank of a world uses cuda:0, so
-# the group is the world's gloo group (NCCL refuses two ranks on one GPU); the
-# oracle is still one nn.BatchNorm on the CPU over the whole batch.
+# The same parity tests on CUDA tensors. Every rank of a world uses cuda:0 (NCCL
+# before 2.30 refuses two ranks on one GPU). SyncBatchNorm's group is either
+# the default group (the backend under test: ringreduce stages CUDA tensors
+# through the host) or the world's gloo group; the oracle is still one
+# nn.BatchNorm on the CPU over the whole batch.
+CUDA_GROUPS = {"default": run_cases, "gloo": run_cases_on_gloo}
 
 def _on_cuda(cases):
     import dataclasses
@@ -292,27 +295,29 @@ def _on_cuda(cases):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("group", sorted(CUDA_GROUPS))
 @pytest.mark.parametrize("workers", [1, 4])
-def test_cuda_parity_matrix(worlds, workers):
+def test_cuda_parity_matrix(worlds, workers, group):
     cases = _on_cuda([Case(even_sizes(batch, workers), (hidden,), seed=hidden + batch)
                       for hidden in (128, 256, 512, 1024) for batch in (32, 64)])
-    results = _merge(worlds.run(workers, run_cases_on_gloo, cases))
+    results = _merge(worlds.run(workers, CUDA_GROUPS[group], cases))
     seen = {k: 0.0 for k in ERROR_KEYS}
     for case, result in zip(cases, results):
         _assert_case(result, case, PARITY_ATOL, workers, "cuda")
         for k, v in result["errors"].items():
             seen[k] = max(seen[k], v)
-    print(f"\ncuda parity matrix, {workers} workers over gloo, kernels "
+    print(f"\ncuda parity matrix, {workers} workers over the {group} group, kernels "
           f"{kernel_source('cuda')['bn_forward']}: max abs error "
           + ", ".join(f"{k} {v:.2e}" for k, v in seen.items() if k != "eval"))
     assert max(seen.values()) <= PARITY_TIGHT, f"parity looser than {PARITY_TIGHT}: {seen}"
 
 
 @pytest.mark.cuda
-def test_cuda_shapes_layouts_dtypes_modes(worlds):
+@pytest.mark.parametrize("group", sorted(CUDA_GROUPS))
+def test_cuda_shapes_layouts_dtypes_modes(worlds, group):
     """SWEEP on CUDA tensors (where the host never reads the global count)."""
     cases = _on_cuda(SWEEP)
-    results = _merge(worlds.run(4, run_cases_on_gloo, cases))
+    results = _merge(worlds.run(4, CUDA_GROUPS[group], cases))
     for case, result in zip(cases, results):
         _assert_case(result, case, TOL[case.dtype], 4, "cuda")
 

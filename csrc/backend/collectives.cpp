@@ -156,7 +156,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
                    allgatherRing(c, blocksOf(s), counts, in.element_size());
                    writeBackAll(outs, s);
                  },
-                 std::move(stage));
+                 std::move(stage), inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
@@ -181,7 +181,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
                                  in.element_size());
                    writeBack(out, s);
                  },
-                 std::move(stage));
+                 std::move(stage), {input});
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
@@ -235,7 +235,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
                      }
                    }
                  },
-                 std::move(stage));
+                 std::move(stage), inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -282,7 +282,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
                    gatherDirect(c, blocksOf(s), bytes, root);
                    writeBackAll(outs, s);
                  },
-                 std::move(stage));
+                 std::move(stage), inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& outputs,

@@ -78,7 +78,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
                    for (const auto& t : ins) flat.push_back(t.reshape(-1));
                    reduceScatterInto(c, at::cat(flat), out, fn, reduceOp);
                  },
-                 std::move(stage));
+                 std::move(stage), inputs[0]);
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
@@ -98,7 +98,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
                  [in, out, fn, reduceOp](const Comm& c) {
                    reduceScatterInto(c, in.reshape(-1).clone(), out, fn, reduceOp);
                  },
-                 std::move(stage));
+                 std::move(stage), {input});
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -133,7 +133,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
                    alltoallPairwise(c, sendPtrs, sendBytes, recvPtrs, recvBytes);
                    writeBack(out, sOut);
                  },
-                 std::move(stage));
+                 std::move(stage), {input});
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -177,7 +177,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& ou
                    alltoallPairwise(c, sendPtrs, sendBytes, recvPtrs, recvBytes);
                    for (int i = 0; i < c.size; ++i) writeBack(outs[i], sOut[i]);
                  },
-                 std::move(stage));
+                 std::move(stage), inputs);
 }
 
 }  // namespace ringreduce

@@ -109,9 +109,11 @@ void RingBackend::rootOnlyChecks(const OpContext& ctx, const std::function<void(
 c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
                                                     c10d::OpType type,
                                                     std::vector<at::Tensor> outputs, bool asyncOp,
-                                                    Job run, DeviceStage stage) {
+                                                    Job run, DeviceStage stage,
+                                                    const std::vector<at::Tensor>& inputs) {
   stage.seal();
-  auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs), std::move(stage));
+  auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs), std::move(stage),
+                                            inputs);
   Entry e{std::move(op), effective(opTimeout), work, std::move(run)};
   {
     std::lock_guard<std::mutex> lock(mu_);

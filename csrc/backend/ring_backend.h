@@ -115,10 +115,12 @@ class RingBackend : public c10d::Backend {
   // the worker idle runs inline on the caller's thread instead, saving two
   // thread hand-offs (the latency of small collectives).
   // `stage` holds the host twins of an op on CUDA tensors (the Job uses the
-  // twins; `outputs` stay the caller's tensors).
+  // twins; `outputs` stay the caller's tensors). `inputs`: what a profiler
+  // trace shows (the outputs when empty).
   c10::intrusive_ptr<c10d::Work> enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
                                          c10d::OpType type, std::vector<at::Tensor> outputs,
-                                         bool asyncOp, Job run, DeviceStage stage = {});
+                                         bool asyncOp, Job run, DeviceStage stage = {},
+                                         const std::vector<at::Tensor>& inputs = {});
   void runEntry(Entry& e);
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);

@@ -13,9 +13,36 @@ std::vector<c10::Device> devicesOf(const DeviceStage& stage) {
 
 }  // namespace
 
+const char* RingWork::profilingTitle(c10d::OpType type) {
+  using T = c10d::OpType;
+  switch (type) {
+    case T::BROADCAST: return "ringreduce:broadcast";
+    case T::ALLREDUCE: return "ringreduce:all_reduce";
+    case T::ALLREDUCE_COALESCED: return "ringreduce:all_reduce_coalesced";
+    case T::REDUCE: return "ringreduce:reduce";
+    case T::ALLGATHER:
+    case T::_ALLGATHER_BASE: return "ringreduce:all_gather";
+    case T::ALLGATHER_COALESCED: return "ringreduce:all_gather_coalesced";
+    case T::GATHER: return "ringreduce:gather";
+    case T::SCATTER: return "ringreduce:scatter";
+    case T::REDUCE_SCATTER:
+    case T::_REDUCE_SCATTER_BASE: return "ringreduce:reduce_scatter";
+    case T::ALLTOALL:
+    case T::ALLTOALL_BASE: return "ringreduce:all_to_all";
+    case T::SEND: return "ringreduce:send";
+    case T::RECV:
+    case T::RECVANYSOURCE: return "ringreduce:recv";
+    case T::BARRIER: return "ringreduce:barrier";
+    default: return "ringreduce:unknown";
+  }
+}
+
 RingWork::RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs,
-                   DeviceStage stage)
-    : c10d::Work(ctx.rank, type),
+                   DeviceStage stage, const std::vector<at::Tensor>& profiled)
+    // c10d::Work starts a RecordFunction with the title and the inputs' shapes
+    // when a profiler is active (a thread-local check otherwise).
+    : c10d::Work(ctx.rank, type, profilingTitle(type),
+                 std::optional<std::vector<at::Tensor>>(profiled.empty() ? outputs : profiled)),
       ctx_(std::move(ctx)),
       outputs_(std::move(outputs)),
       stage_(std::move(stage)),
@@ -71,7 +98,15 @@ uint64_t RingWork::getSequencenumber() const {
   return ctx_.seq;
 }
 
+void RingWork::endProfiling() {
+  if (recordFunctionEndCallback_) {
+    recordFunctionEndCallback_();
+    recordFunctionEndCallback_ = nullptr;
+  }
+}
+
 void RingWork::complete(int sourceRank) {
+  endProfiling();
   {
     std::lock_guard<std::mutex> lock(doneMu_);
     done_ = true;
@@ -83,6 +118,7 @@ void RingWork::complete(int sourceRank) {
 }
 
 void RingWork::fail(std::exception_ptr error) {
+  endProfiling();
   {
     std::lock_guard<std::mutex> lock(doneMu_);
     done_ = true;

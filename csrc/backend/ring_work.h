@@ -17,8 +17,11 @@ namespace ringreduce {
 
 class RingWork : public c10d::Work {
  public:
+  // `profiled`: the tensors a profiler trace shows as the op's inputs (the
+  // outputs when empty); the op appears as "ringreduce:<op>" in torch.profiler
+  // and torch.autograd.profiler traces, as gloo's do as "gloo:<op>".
   RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs,
-           DeviceStage stage = {});
+           DeviceStage stage = {}, const std::vector<at::Tensor>& profiled = {});
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -33,11 +36,16 @@ class RingWork : public c10d::Work {
 
   DeviceStage& stage() { return stage_; }
 
-  // Called once, by the thread that ran the op.
+  // Called once, by the thread that ran the op; ends the profiler's event.
   void complete(int sourceRank = -1);
   void fail(std::exception_ptr error);
 
+  // "ringreduce:all_reduce" and so on: the profiler's name of an op type.
+  static const char* profilingTitle(c10d::OpType type);
+
  private:
+  void endProfiling();
+
   const OpContext ctx_;
   std::vector<at::Tensor> outputs_;
   DeviceStage stage_;
