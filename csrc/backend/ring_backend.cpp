@@ -210,6 +210,55 @@ c10::intrusive_ptr<c10d::Work> RingBackend::barrier(const c10d::BarrierOptions& 
                  [](const Comm& c) { barrierDissemination(c); });
 }
 
+void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  using Clock = std::chrono::steady_clock;
+  const auto timeout = effective(opts.timeout);
+  const auto deadline = Clock::now() + timeout;
+  const std::string seq = std::to_string(++monitoredSeq_);
+  const std::string what = "monitored_barrier#" + seq;
+  const std::string prefix = rankPrefix(getRank(), getSize()) + " " + what + ": ";
+  const std::string ms = std::to_string(timeout.count()) + " ms";
+  StoreCalls& st = tcp_->store();
+  auto key = [&](const std::string& name) {
+    return tcp_->storeKey("monitored_barrier/" + seq + "/" + name);
+  };
+  // Rank 0 writes the verdict after the deadline when a rank is missing: the
+  // others wait that long plus a second for it.
+  const auto verdictBy = deadline + std::chrono::seconds(1);
+  if (getRank() != 0) {
+    st.set(key(std::to_string(getRank())), "1", deadline, what);
+    if (!st.waitFor(key("verdict"), verdictBy, what)) {
+      throwTransportError(prefix + "rank 0 did not finish the monitored barrier in " + ms +
+                          " (it did not reach it, or hung or died in it)");
+    }
+    const std::string verdict = st.get(key("verdict"), verdictBy, what, "");
+    if (verdict != "ok") throwTransportError(prefix + verdict);
+    return;
+  }
+  std::vector<int> missing;
+  for (int r = 1; r < getSize(); ++r) {
+    // Past the deadline this still sees a rank that did arrive.
+    if (!st.waitFor(key(std::to_string(r)), deadline, what)) {
+      missing.push_back(r);
+      if (!waitAllRanks) break;
+    }
+  }
+  if (missing.empty()) {
+    st.set(key("verdict"), "ok", verdictBy, what);
+    return;
+  }
+  std::string ranks;
+  for (size_t i = 0; i < missing.size(); ++i) {
+    ranks += (i ? ", " : "") + std::to_string(missing[i]);
+  }
+  const std::string verdict =
+      (missing.size() == 1 ? "rank " : "ranks ") + ranks + " failed to pass the monitored " +
+      "barrier in " + ms + " (seen by rank 0" +
+      (waitAllRanks ? "" : "; wait_all_ranks=True lists every missing rank") + ")";
+  st.set(key("verdict"), verdict, verdictBy, what);  // the ranks that came raise it too
+  throwTransportError(prefix + verdict);
+}
+
 // ---- point-to-point -------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensors, int dstRank,

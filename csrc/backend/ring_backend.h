@@ -77,6 +77,12 @@ class RingBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
                                                int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // gloo's debugging barrier: rank 0 waits (up to opts.timeout, else the group
+  // timeout) for every rank to arrive and raises naming the rank(s) that did
+  // not (all of them with waitAllRanks, else the first); the others raise the
+  // same message, or name rank 0 when it never came. Through the group's
+  // store, independent of the collective queue.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
 
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override;
@@ -139,6 +145,7 @@ class RingBackend : public c10d::Backend {
   bool running_ = false;  // an op is running (on the worker or inline)
   uint64_t seq_ = 0;      // last collective sequence number issued
   uint64_t p2pSeq_ = 0;
+  uint64_t monitoredSeq_ = 0;  // monitored barriers called so far (caller's thread)
   std::thread worker_;
 };
 

@@ -42,6 +42,10 @@ std::chrono::milliseconds remaining(StoreCalls::Clock::time_point deadline) {
 // A store's own wait() reports its timeout a little after ours; this much
 // longer the caller waits for the helper's answer before calling it late.
 constexpr auto kAnswerGrace = std::chrono::milliseconds(200);
+// Some stores report a wait's timeout much later than asked (FileStore polls
+// in whole seconds): when the wait has not answered by its grace, one check()
+// with this budget tells such a store from one that does not answer at all.
+constexpr auto kLateCheckBudget = std::chrono::milliseconds(500);
 
 // Starts fn on a detached helper thread; the state says when it is done.
 std::shared_ptr<CallState> start(const c10::intrusive_ptr<c10d::Store>& store,
@@ -125,12 +129,16 @@ bool StoreCalls::waitImpl(const std::string& key, Clock::time_point deadline,
                           std::chrono::milliseconds slice) {
   const auto budget = remaining(deadline);
   auto state = start(store_, [key, budget](c10d::Store& s) { s.wait({key}, budget); });
-  const auto answerBy = deadline + kAnswerGrace;
+  // Past the deadline the one call still gets its grace to answer.
+  const auto answerBy = std::max(deadline, Clock::now()) + kAnswerGrace;
   std::unique_lock<std::mutex> lock(state->mu);
   while (!state->done) {
     const auto until = stop ? std::min(answerBy, Clock::now() + slice) : answerBy;
     if (state->cv.wait_until(lock, until, [&] { return state->done; })) break;
-    if (Clock::now() >= answerBy) throwLate(what, deadline, "");
+    if (Clock::now() >= answerBy) {
+      lock.unlock();
+      return lateCheck(key, what, deadline);
+    }
     lock.unlock();
     const bool stopped = stop();
     lock.lock();
@@ -140,6 +148,21 @@ bool StoreCalls::waitImpl(const std::string& key, Clock::time_point deadline,
   // The store's own wait ran out: the key is missing, the store is fine.
   if (Clock::now() + std::chrono::milliseconds(50) >= deadline) return false;
   throwTransportError(prefix_ + " " + what + ": the store failed: " + errorText(state->error));
+}
+
+bool StoreCalls::lateCheck(const std::string& key, const std::string& what,
+                           Clock::time_point deadline) {
+  auto found = std::make_shared<bool>(false);
+  bool answered = false;
+  try {
+    answered = run(Clock::now() + kLateCheckBudget,
+                   [key, found](c10d::Store& s) { *found = s.check({key}); });
+  } catch (...) {
+    throwTransportError(prefix_ + " " + what + ": the store failed: " +
+                        errorText(std::current_exception()));
+  }
+  if (!answered) throwLate(what, deadline, "");
+  return *found;
 }
 
 std::string StoreCalls::get(const std::string& key, Clock::time_point deadline,

@@ -67,6 +67,9 @@ class StoreCalls {
   // waitFor's body: `stop` (may be empty) is asked every `slice`.
   bool waitImpl(const std::string& key, Clock::time_point deadline, const std::string& what,
                 const std::function<bool()>& stop, std::chrono::milliseconds slice);
+  // The wait for `key` did not answer in its grace: one quick check() decides
+  // (the key's presence), or throws when the store does not answer that either.
+  bool lateCheck(const std::string& key, const std::string& what, Clock::time_point deadline);
   [[noreturn]] void throwLate(const std::string& what, Clock::time_point deadline,
                               const std::string& missing) const;
 
