@@ -272,3 +272,24 @@ def test_send_recv(worlds, world_size):
 def test_send_recv_in_subgroup(worlds, world_size, ranks):
     counts = [1, 1003]
     assert_cases(worlds.run(world_size, point_to_point, ranks, [torch.float32], counts))
+
+
+def future_after_wait(ctx, rounds):
+    """Remote: after wait() returns, the Future already holds the result."""
+    pending = 0
+    for i in range(rounds):
+        t = torch.full((4,), float(ctx.rank + i))
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        fut = work.get_future()
+        if not fut.done():
+            pending += 1
+            fut.wait()
+        torch.testing.assert_close(fut.value()[0], t)
+    return pending
+
+
+def test_future_is_complete_when_wait_returns(worlds):
+    # The worker used to wake wait() before completing the Future: a caller
+    # reading the Future right after wait() could find it pending.
+    assert worlds.run(2, future_after_wait, 300) == [0, 0]

@@ -157,12 +157,10 @@ def test_one_value_per_channel_raises_like_nn(worlds, sizes, tail):
 
 
 
-@pytest.mark.parametrize("shape, message", [
-    ((4,), "expected 2D to 5D input (got 1D input)"),
-    ((2, 4, 1, 1, 1, 1), "expected 2D to 5D input (got 6D input)")])
-def test_input_dims_checked(shape, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        SyncBatchNorm(4)(torch.randn(shape))
+def test_input_dims_checked():
+    """Fewer than 2 dims: nn.SyncBatchNorm's ValueError (more dims: test_syncbn_functional)."""
+    with pytest.raises(ValueError, match=r"^expected at least 2D input \(got 1D input\)$"):
+        SyncBatchNorm(4)(torch.randn(4))
 
 
 # ------------------------------------------------------------------ numerics

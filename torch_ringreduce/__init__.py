@@ -3,6 +3,7 @@
     import torch_ringreduce  # optional: `import torch` already registers it
     dist.init_process_group(backend="ringreduce")
     bn = torch_ringreduce.SyncBatchNorm(64)   # one all-reduce per pass, CPU and CUDA
+    y = torch_ringreduce.functional.sync_batch_norm(x, rm, rv, w, b, training=True)
     model = torch_ringreduce.DistributedDataParallel(model)   # bucketed, overlapped
     torch_ringreduce.reference.ring_allreduce_(t)              # the textbook algorithms
 """
@@ -12,7 +13,7 @@ from torch_ringreduce._registration import BACKEND_NAME, register
 
 __version__ = "0.1.0"
 __all__ = ["BACKEND_NAME", "register", "__version__", "SyncBatchNorm", "revert_sync_batchnorm",
-           "DistributedDataParallel", "parallel", "reference"]
+           "DistributedDataParallel", "functional", "parallel", "reference"]
 
 # Loaded on first use, not at import (keeps `import torch` cheap through the
 # entry point): name -> (module, attribute or None for the module itself).
@@ -21,6 +22,7 @@ _LAZY = {
     "SyncBatchNorm": ("torch_ringreduce.sync_batchnorm", "SyncBatchNorm"),
     "revert_sync_batchnorm": ("torch_ringreduce.sync_batchnorm", "revert_sync_batchnorm"),
     "DistributedDataParallel": ("torch_ringreduce.parallel", "DistributedDataParallel"),
+    "functional": ("torch_ringreduce.functional", None),
     "parallel": ("torch_ringreduce.parallel", None),
     "reference": ("torch_ringreduce.reference", None),
 }

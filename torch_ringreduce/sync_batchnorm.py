@@ -3,9 +3,13 @@
     bn = torch_ringreduce.SyncBatchNorm(64)              # or convert a model:
     model = torch_ringreduce.SyncBatchNorm.convert_sync_batchnorm(model)
     model = torch_ringreduce.revert_sync_batchnorm(model)   # back to BatchNormNd
+    y = torch_ringreduce.functional.sync_batch_norm(x, rm, rv, w, b, training=True)
 
 Semantics are nn.SyncBatchNorm's, on CPU and CUDA and any backend (ringreduce,
-gloo, nccl). Training, per pass (DESIGN.md "Sync batch norm"):
+gloo, nccl), for inputs (N, C, *) of two or more dims (the kernels take 2D-5D;
+more dims run as (N, C, L)). The module and the functional form share one
+training pass, _sync_batch_norm_train. Training, per pass (DESIGN.md "Sync
+batch norm"):
 
     forward:  bn_stats_pack -> all_reduce SUM of fp64 [3, C] -> bn_finalize -> bn_forward
     backward: bn_backward_reduce -> all_reduce SUM of fp64 [2, C] -> bn_backward_elemt
@@ -103,11 +107,13 @@ def _memory_format(x):
     return torch.contiguous_format
 
 
+_ONE_VALUE = "Expected more than 1 value per channel when training"
+
+
 def _one_value_error(x, world_size):
     where = f" (1 value per channel over the {world_size} ranks of the group)" \
         if world_size > 1 else ""
-    return ValueError("Expected more than 1 value per channel when training, "
-                      f"got input size {x.size()}{where}")
+    return ValueError(f"{_ONE_VALUE}, got input size {x.size()}{where}")
 
 
 def _to_stat(t, dtype):
@@ -194,13 +200,56 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
+# ------------------------------------------------------------------ the training pass
+
+def _sync_batch_norm_train(input, weight, bias, running_mean, running_var,
+                           num_batches_tracked, momentum, eps, process_group):
+    """The training pass over the batches of every rank of `process_group` (None: WORLD).
+
+    The one orchestration behind SyncBatchNorm.forward and
+    functional.sync_batch_norm; callers have checked the arguments. input is
+    (N, C, *) with C > 0: more than 5 dims run as (N, C, L), a reshape (a view
+    where it can be) that autograd carries back, since the kernels take 2D-5D.
+    running_mean/running_var: both given or both None, updated in place.
+    momentum >= 0 is the update factor, < 0 the cumulative average
+    1/num_batches_tracked (already incremented). Plain batch norm, with no
+    communication, when torch.distributed is not initialized or the group has
+    one rank. nn's one-value error carries the caller's shape, as nn's does.
+    """
+    if dist.is_available() and dist.is_initialized():
+        group = process_group if process_group is not None else dist.group.WORLD
+        world_size = group.size() if isinstance(group, _ProcessGroup) else \
+            dist.get_world_size(group)  # -1 on a rank outside the group
+    else:
+        group, world_size = None, 1
+    flat = input.dim() > 5
+    x = input.flatten(2) if flat else input
+    sd = torch.float64 if input.dtype == torch.float64 else torch.float32
+    weight, bias = _to_stat(weight, sd), _to_stat(bias, sd)
+    nbt = num_batches_tracked if running_mean is not None else None
+    fused = _kernels(input.device.type).fused
+    try:
+        if fused is not None:
+            y = fused(x, weight, bias, running_mean, running_var, nbt, eps, momentum,
+                      group if world_size > 1 else None, _reads_count_on_host(x))
+        else:
+            y = _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var,
+                                             nbt, eps, momentum, group, world_size)
+    except ValueError as err:  # the fused op writes the sizes as [1, 3]: nn's message
+        if str(err).startswith(_ONE_VALUE):
+            raise _one_value_error(input, world_size) from None
+        raise
+    return y.reshape(input.shape) if flat else y
+
+
 # ------------------------------------------------------------------ module
 
 class SyncBatchNorm(_BatchNorm):
     """Batch norm over the batches of every rank in `process_group` (default: WORLD).
 
     Drop-in for nn.SyncBatchNorm (same arguments, parameters, buffers and
-    state_dict) that also runs on CPU; see the module docstring.
+    state_dict; inputs (N, C, *) of two or more dims) that also runs on CPU;
+    see the module docstring. Training runs _sync_batch_norm_train.
     """
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
@@ -212,21 +261,12 @@ class SyncBatchNorm(_BatchNorm):
         self._last_input_dim = None
 
     def _check_input_dim(self, input):
-        if not 2 <= input.dim() <= 5:
-            raise ValueError(f"expected 2D to 5D input (got {input.dim()}D input)")
+        if input.dim() < 2:  # nn.SyncBatchNorm's check and message
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def _check_non_zero_input_channels(self, input):
         if input.size(1) == 0:
             raise ValueError("SyncBatchNorm number of input channels should be non-zero")
-
-    def _group(self):
-        """(group, world size); (None, 1) when torch.distributed is not initialized."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 1
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        if isinstance(group, _ProcessGroup):
-            return group, group.size()
-        return group, dist.get_world_size(group)  # -1 on a rank outside the group
 
     def forward(self, input):
         # Written for a short host path: a training step at SyncBN's usual sizes
@@ -248,18 +288,9 @@ class SyncBatchNorm(_BatchNorm):
         if not (bn_training and training):  # eval: no communication, as nn's
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, 0.0, self.eps)
-        sd = torch.float64 if input.dtype == torch.float64 else torch.float32
-        group, world_size = self._group()
         momentum = -1.0 if self.momentum is None else float(self.momentum)
-        nbt = nbt if running_mean is not None else None
-        weight, bias = _to_stat(self.weight, sd), _to_stat(self.bias, sd)
-        fused = _kernels(input.device.type).fused
-        if fused is not None:
-            return fused(input, weight, bias, running_mean, running_var, nbt, self.eps,
-                         momentum, group if world_size > 1 else None,
-                         _reads_count_on_host(input))
-        return _SyncBatchNormFunction.apply(input, weight, bias, running_mean, running_var,
-                                            nbt, self.eps, momentum, group, world_size)
+        return _sync_batch_norm_train(input, self.weight, self.bias, running_mean, running_var,
+                                      nbt, momentum, self.eps, self.process_group)
 
     @classmethod
     def convert_sync_batchnorm(cls, module, process_group=None):

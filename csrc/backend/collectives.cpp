@@ -38,6 +38,9 @@ at::Tensor flatten(const std::vector<at::Tensor>& ts) {
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
+    return allreduceSparse(tensors, opts);
+  }
   OpContext ctx = nextContext("allreduce", describe(tensors));
   const at::Tensor t = single(ctx, tensors, "input");
   checkWritable(ctx, t, "input");

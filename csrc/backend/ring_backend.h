@@ -100,6 +100,11 @@ class RingBackend : public c10d::Backend {
   uint64_t refusedCount() const;
 
  private:
+  // allreduce of one sparse COO tensor (SUM): every rank's indices and values
+  // are gathered around the ring and summed in rank order, then coalesced; the
+  // caller's tensor is set to the result (collectives_sparse.cpp).
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors,
+                                                 const c10d::AllreduceOptions& opts);
   using Job = std::function<void(const Comm&)>;
   struct Entry {
     OpInfo op;

@@ -105,27 +105,32 @@ void RingWork::endProfiling() {
   }
 }
 
+// The Future completes before wait() can return (as gloo's works do), so
+// `work.wait(); work.get_future().value()` never finds it pending.
 void RingWork::complete(int sourceRank) {
   endProfiling();
   {
     std::lock_guard<std::mutex> lock(doneMu_);
-    done_ = true;
     sourceRank_ = sourceRank;
   }
-  doneCv_.notify_all();
   // CUDA: the Future's events are recorded on the stream of the copies back.
   stage_.onInternalStream([this] { future_->markCompleted(c10::IValue(outputs_)); });
+  {
+    std::lock_guard<std::mutex> lock(doneMu_);
+    done_ = true;
+  }
+  doneCv_.notify_all();
 }
 
 void RingWork::fail(std::exception_ptr error) {
   endProfiling();
+  future_->setError(error);
   {
     std::lock_guard<std::mutex> lock(doneMu_);
     done_ = true;
     error_ = error;
   }
   doneCv_.notify_all();
-  future_->setError(error);
 }
 
 }  // namespace ringreduce

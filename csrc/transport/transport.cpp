@@ -110,6 +110,7 @@ const char* opKindName(OpKind kind) {
     case OpKind::kBarrier: return "barrier";
     case OpKind::kSend: return "send/recv";
     case OpKind::kAbort: return "abort";
+    case OpKind::kSparseAllreduce: return "sparse allreduce";
   }
   return "unknown-op";
 }

@@ -30,6 +30,7 @@ enum class OpKind : uint8_t {
   kBarrier,
   kSend,   // point-to-point (send/recv/recvAnysource)
   kAbort,  // written after a failing rank's last whole message: "I abandoned op #seq"
+  kSparseAllreduce,  // allreduce of COO tensors (metadata, indices, values gathered)
 };
 
 const char* opKindName(OpKind kind);
