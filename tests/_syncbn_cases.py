@@ -38,7 +38,9 @@ def max_err(got, want):
     different devices: ours on CUDA against nn.BatchNorm on the CPU)."""
     if got.numel() == 0:
         return 0.0
-    return (got.detach().cpu().double() - want.detach().cpu().double()).abs().max().item()
+    diff = (got.detach().cpu().double() - want.detach().cpu().double()).abs()
+    # NaN anywhere is an infinite error: Python's max() would drop a NaN.
+    return float("inf") if diff.isnan().any() else diff.max().item()
 
 
 class CollectiveCounter:

@@ -1,7 +1,7 @@
 """The backend under test on CUDA tensors: every rank of a world uses cuda:0.
 
-CUDA tensors go through the backend's device path (host staging today, maybe
-NCCL later) with NCCL's stream semantics: the op starts after the work already
+CUDA tensors go through the backend's device path (host staging through pinned
+buffers, backend/device_stage.cpp) with NCCL's stream semantics: the op starts after the work already
 queued on the caller's current stream, `work.wait()` makes the current stream
 wait for the op (the host need not block), and futures carry CUDA events.
 

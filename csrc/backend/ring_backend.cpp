@@ -5,6 +5,7 @@
 #include "algorithms/algorithms.h"
 #include "backend/validate.h"
 #include "common/env.h"
+#include "common/gil.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -44,6 +45,9 @@ RingBackend::~RingBackend() {
 }
 
 void RingBackend::shutdown() {
+  // The joins below wait for threads that may free a caller's tensor, which
+  // needs the GIL: never wait for them holding it (common/gil.h).
+  ReleaseGilIfHeld noGil;
   std::deque<Entry> dropped;
   bool busy;
   {

@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -143,14 +144,19 @@ class RingBackend : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   size_t segmentBytes_;
 
+  // Locking: mu_ guards queue_, stopping_, running_ and seq_ (cv_ waits on
+  // it). It is never held while an op runs or a store call waits, so a
+  // caller's enqueue never waits for an op. The op itself runs with no lock of
+  // ours held (worker thread, or the caller's when inline).
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Entry> queue_;
-  bool stopping_ = false;
-  bool running_ = false;  // an op is running (on the worker or inline)
-  uint64_t seq_ = 0;      // last collective sequence number issued
-  uint64_t p2pSeq_ = 0;
-  uint64_t monitoredSeq_ = 0;  // monitored barriers called so far (caller's thread)
+  std::deque<Entry> queue_;  // guarded by mu_
+  bool stopping_ = false;    // guarded by mu_
+  bool running_ = false;     // guarded by mu_: an op is running (on the worker or inline)
+  uint64_t seq_ = 0;         // guarded by mu_: last collective sequence number issued
+  // Point-to-point and monitored-barrier numbering: any caller thread, no lock.
+  std::atomic<uint64_t> p2pSeq_{0};
+  std::atomic<uint64_t> monitoredSeq_{0};  // monitored barriers called so far
   std::thread worker_;
 };
 

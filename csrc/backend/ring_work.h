@@ -50,11 +50,14 @@ class RingWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   DeviceStage stage_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  // Locking: doneMu_ guards done_, sourceRank_ and error_ (doneCv_ waits on
+  // it). It is never held while the Future completes: its callbacks run
+  // outside it (they may call back into this Work).
   mutable std::mutex doneMu_;
   std::condition_variable doneCv_;
-  bool done_ = false;
-  int sourceRank_ = -1;
-  std::exception_ptr error_;
+  bool done_ = false;        // guarded by doneMu_
+  int sourceRank_ = -1;      // guarded by doneMu_
+  std::exception_ptr error_;  // guarded by doneMu_
 };
 
 }  // namespace ringreduce

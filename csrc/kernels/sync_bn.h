@@ -1,5 +1,6 @@
-// Synchronized batch-norm kernels (CPU here; CUDA in sync_bn_cuda.cu when built
-// with RINGREDUCE_WITH_CUDA). Math and numerics: DESIGN.md "Sync batch norm".
+// Synchronized batch-norm kernels (CPU in sync_bn_cpu.cpp; CUDA in
+// cuda/sync_bn_cuda.cpp and cuda/sync_bn_kernels.cu when built with
+// RINGREDUCE_WITH_CUDA). Math and numerics: DESIGN.md "Sync batch norm".
 //
 // Shared conventions. x and dy have shape (N, C), (N, C, L), (N, C, H, W) or
 // (N, C, D, H, W), dtype float32/float64/float16/bfloat16, contiguous or

@@ -1,6 +1,6 @@
 // The point-to-point layer the algorithms run on. Algorithms hand it lists of
-// sends and receives addressed by peer rank; an implementation (TCP today,
-// shared memory later) moves the bytes. A composite transport can route each
+// sends and receives addressed by peer rank; an implementation (TCP in tcp/,
+// shared memory over TCP in shm/) moves the bytes. A composite transport can route each
 // peer's transfers to a different implementation, because nothing here names
 // a socket.
 #pragma once

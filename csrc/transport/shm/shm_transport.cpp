@@ -238,6 +238,7 @@ class ShmTransport : public Transport {
   void throwIfAborted(const OpInfo& op) {
     if (tcp_->aborted()) throwTransportError(unusable(op, abortReason()));
     if (header_->aborted.load(std::memory_order_relaxed) != 0) {
+      tcp_->awaitPeerError();
       tcp_->failOp(op, -1, "another rank aborted the group");
     }
   }

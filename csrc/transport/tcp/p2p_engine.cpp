@@ -37,11 +37,11 @@ P2PEngine::P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::
       size_(size),
       fds_(std::move(fds)),
       addrs_(std::move(addrs)),
-      onFatal_(std::move(onFatal)),
-      explain_(std::move(explain)),
       sends_(size),
       incoming_(size),
-      sendSeq_(size, 0) {
+      sendSeq_(size, 0),
+      onFatal_(std::move(onFatal)),
+      explain_(std::move(explain)) {
   TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, rankPrefix(rank, size),
               " pipe2 failed: ", std::strerror(errno));
   thread_ = std::thread([this] { loop(); });

@@ -81,6 +81,10 @@ class P2PEngine {
   const std::vector<std::string> addrs_;
   int wakePipe_[2] = {-1, -1};
 
+  // Locking: mu_ guards everything from sends_ to stopping_. The poll thread
+  // holds it while it reads and writes sockets (the helpers above that take
+  // `done` run with it held) and drops it to run completions; the callers'
+  // post/abort/stop take it briefly. Completions and onFatal_ run outside it.
   std::mutex mu_;
   std::vector<std::deque<Send>> sends_;  // per peer, in post order
   std::list<Recv> recvs_;                // in post order

@@ -210,6 +210,18 @@ void TcpTransport::fail(const OpInfo& op, int peer, const std::string& what, boo
   throwTransportError(message + cause + ". The process group is no longer usable.");
 }
 
+void TcpTransport::awaitPeerError() {
+  if (size_ == 1 || closed_) return;
+  try {
+    // The peer publishes within kPublishBudget of raising the flag, or never
+    // (its store call timed out): wait no longer than that.
+    (void)store_.waitFor(storeBase_ + kAbortKey, Clock::now() + kPublishBudget,
+                         "looking up a peer's error");
+  } catch (const std::exception&) {
+    // Best effort: failOp() says when the first failure is unknown.
+  }
+}
+
 std::string TcpTransport::groupCause(const std::string& mine) {
   if (size_ == 1) return "";
   bool answered = false;

@@ -59,6 +59,10 @@ class TcpTransport : public Transport {
   [[noreturn]] void failTimeout(const OpInfo& op, int peer, const std::string& what) {
     fail(op, peer, what, true);
   }
+  // A peer is known to have aborted (the shared-memory flag): waits, briefly
+  // and best effort, until its error is in the store, so that failOp() can
+  // name it. The flag goes up before the peer publishes (one op, one outcome).
+  void awaitPeerError();
   // The first of `peers` whose idle collective connection became readable
   // (it closed: the peer exited or aborted), or -1. Never blocks.
   int closedPeer(const std::vector<int>& peers);
@@ -113,6 +117,11 @@ class TcpTransport : public Transport {
   int wakePipe_[2] = {-1, -1};  // written by close() to stop the accept thread
   sockaddr_in bound_{};
 
+  // Locking: mu_ guards fds_ and peerAddr_ while they change: set up by
+  // connect() and the accept thread (connected_ waits on mu_), shut down by
+  // abort(), closed and reset by close() after the threads are joined. Between
+  // connect() returning and close(), the descriptors do not change, so the op
+  // thread and the p2p engine read them without the lock.
   mutable std::mutex mu_;
   std::condition_variable connected_;
   std::vector<int> fds_[kNumChannels];  // per channel, per peer; -1 for self
