@@ -13,7 +13,7 @@ from torch_ringreduce._registration import BACKEND_NAME, register
 
 __version__ = "0.1.0"
 __all__ = ["BACKEND_NAME", "register", "__version__", "SyncBatchNorm", "revert_sync_batchnorm",
-           "DistributedDataParallel", "functional", "parallel", "reference"]
+           "DistributedDataParallel", "environment", "functional", "parallel", "reference"]
 
 # Loaded on first use, not at import (keeps `import torch` cheap through the
 # entry point): name -> (module, attribute or None for the module itself).
@@ -23,6 +23,7 @@ _LAZY = {
     "revert_sync_batchnorm": ("torch_ringreduce.sync_batchnorm", "revert_sync_batchnorm"),
     "DistributedDataParallel": ("torch_ringreduce.parallel", "DistributedDataParallel"),
     "functional": ("torch_ringreduce.functional", None),
+    "environment": ("torch_ringreduce._env", "environment"),
     "parallel": ("torch_ringreduce.parallel", None),
     "reference": ("torch_ringreduce.reference", None),
 }

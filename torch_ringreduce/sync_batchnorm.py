@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torch_ringreduce import _syncbn_reference
+from torch_ringreduce import _env, _syncbn_reference
 
 try:
     from torch.distributed import ProcessGroup as _ProcessGroup
@@ -54,7 +54,7 @@ KERNEL_NAMES = ("bn_stats_pack", "bn_finalize", "bn_forward", "bn_backward_reduc
                 "bn_backward_elemt")
 FUSED_NAME = "sync_batch_norm_train"
 # Set to 1 to use the pure-torch kernels even where the compiled ones exist.
-REFERENCE_ENV = "RINGREDUCE_SYNCBN_REFERENCE"
+REFERENCE_ENV = _env.SYNCBN_REFERENCE.name
 _BY_DIMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
 

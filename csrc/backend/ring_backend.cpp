@@ -14,7 +14,6 @@ namespace {
 
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
-constexpr int64_t kDefaultSegmentBytes = 256 << 10;
 
 }  // namespace
 
@@ -24,7 +23,7 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "[ringreduce] invalid rank ", rank,
                     " for world size ", size);
   int64_t segment = envInt(kEnvSegmentBytes, kDefaultSegmentBytes);
-  TORCH_CHECK_VALUE(segment >= 64, "[ringreduce] ", kEnvSegmentBytes, "=", segment,
+  TORCH_CHECK_VALUE(segment >= 64, "[ringreduce] ", kEnvSegmentBytes.name, "=", segment,
                     " is too small (at least 64 bytes)");
   segmentBytes_ = static_cast<size_t>(segment);
   // Ranks all on this host talk through shared memory; the TCP mesh stays up

@@ -5,6 +5,7 @@
 
 #include "algorithms/segments.h"
 #include "backend/ring_backend.h"
+#include "common/env.h"
 #include "transport/shm/shm_transport.h"
 #include "kernels/sync_bn.h"
 #include "ops/sync_batch_norm.h"
@@ -39,6 +40,30 @@ PYBIND11_MODULE(_C, m) {
       "_shm_test_die_after_create",
       [](bool on) { ringreduce::shm::hooks().dieAfterCreate = on; },
       "Testing only: rank 0 SIGKILLs itself right after creating a shared-memory segment");
+
+  m.def(
+      "environment",
+      [] {
+        py::list out;
+        for (const ringreduce::EnvVar* var : ringreduce::kEnvVariables) {
+          py::dict d;
+          d["name"] = var->name;
+          d["default"] = var->fallback;
+          d["meaning"] = var->meaning;
+          const std::string raw = ringreduce::envString(*var, "");
+          if (raw.empty()) {
+            d["value"] = py::none();
+          } else if (var->integer) {
+            d["value"] = ringreduce::envInt(*var, 0);  // raises on a non-integer
+          } else {
+            d["value"] = raw;
+          }
+          out.append(d);
+        }
+        return out;
+      },
+      "The RINGREDUCE_* variables the extension reads: name, documented default, meaning and "
+      "the value in effect now (parsed; None when unset)");
 
 #ifdef RINGREDUCE_WITH_CUDA
   m.attr("with_cuda") = py::bool_(true);

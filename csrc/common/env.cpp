@@ -6,19 +6,19 @@
 
 namespace ringreduce {
 
-std::string envString(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
+std::string envString(const EnvVar& var, const std::string& fallback) {
+  const char* v = std::getenv(var.name);
   return (v == nullptr || *v == '\0') ? fallback : std::string(v);
 }
 
-int64_t envInt(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
+int64_t envInt(const EnvVar& var, int64_t fallback) {
+  const char* v = std::getenv(var.name);
   if (v == nullptr || *v == '\0') {
     return fallback;
   }
   char* end = nullptr;
   long long parsed = std::strtoll(v, &end, 10);
-  TORCH_CHECK_VALUE(end != v && *end == '\0', "[ringreduce] environment variable ", name,
+  TORCH_CHECK_VALUE(end != v && *end == '\0', "[ringreduce] environment variable ", var.name,
                     "='", v, "' is not an integer");
   return parsed;
 }

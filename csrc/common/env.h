@@ -1,5 +1,9 @@
-// Environment configuration. Every variable the project reads is listed here
-// (and in README.md).
+// Environment configuration: every RINGREDUCE_* variable the extension reads
+// is declared here, once (name, documented default, meaning), and read only
+// through envInt/envString with its declaration. kEnvVariables lists them for
+// torch_ringreduce.environment() and for the test that checks README.md's
+// table; the Python-side and build variables are declared in
+// torch_ringreduce/_env.py.
 #pragma once
 
 #include <cstdint>
@@ -7,27 +11,57 @@
 
 namespace ringreduce {
 
-// RINGREDUCE_SOCKET_IFNAME: network interface whose IPv4 address peers connect to.
-constexpr const char* kEnvIfname = "RINGREDUCE_SOCKET_IFNAME";
-// RINGREDUCE_SOCKET_ADDR: explicit IPv4 address to listen on and advertise.
-constexpr const char* kEnvAddr = "RINGREDUCE_SOCKET_ADDR";
-// RINGREDUCE_SEGMENT_BYTES: largest message of a ring step (pipelining unit).
-constexpr const char* kEnvSegmentBytes = "RINGREDUCE_SEGMENT_BYTES";
-// RINGREDUCE_SPIN_US: microseconds a rank busy-polls before sleeping while it
-// waits for a peer (default kDefaultSpinUs when the world size is at most the
-// number of cores here, else 0).
-constexpr const char* kEnvSpinUs = "RINGREDUCE_SPIN_US";
-constexpr int64_t kDefaultSpinUs = 50;
-// RINGREDUCE_YIELD_US: microseconds a rank then polls with sched_yield() between
-// tries before sleeping (default kDefaultYieldUs when the world size is above
-// the number of cores, where the rank it waits for may need this core, else 0).
-constexpr const char* kEnvYieldUs = "RINGREDUCE_YIELD_US";
-constexpr int64_t kDefaultYieldUs = 200;
-// RINGREDUCE_DEBUG=1: log connection set-up and aborts to stderr.
-constexpr const char* kEnvDebug = "RINGREDUCE_DEBUG";
+struct EnvVar {
+  const char* name;
+  const char* fallback;  // the default as documented (some depend on the machine)
+  const char* meaning;
+  bool integer;          // read with envInt (else envString)
+};
 
-std::string envString(const char* name, const std::string& fallback);
-int64_t envInt(const char* name, int64_t fallback);
+inline constexpr EnvVar kEnvIfname{"RINGREDUCE_SOCKET_IFNAME", "route to `MASTER_ADDR`",
+                                   "network interface whose IPv4 address peers connect to",
+                                   false};
+inline constexpr EnvVar kEnvAddr{"RINGREDUCE_SOCKET_ADDR", "",
+                                 "explicit IPv4 address to listen on and advertise", false};
+inline constexpr EnvVar kEnvSegmentBytes{
+    "RINGREDUCE_SEGMENT_BYTES", "262144",
+    "largest message of a ring step (pipelining / scratch size)", true};
+constexpr int64_t kDefaultSegmentBytes = 256 << 10;
+// Busy-poll budget of a waiting rank: kDefaultSpinUs when the world size is at
+// most the number of cores here, else 0.
+inline constexpr EnvVar kEnvSpinUs{
+    "RINGREDUCE_SPIN_US", "50 when the world size is at most the cores here, else 0",
+    "microseconds a waiting rank busy-polls before sleeping in `poll()`", true};
+constexpr int64_t kDefaultSpinUs = 50;
+// Then the poll-and-sched_yield() budget: kDefaultYieldUs when the world size
+// is above the number of cores (the rank it waits for may need this core).
+inline constexpr EnvVar kEnvYieldUs{
+    "RINGREDUCE_YIELD_US", "200 when the world size is above the cores here, else 0",
+    "then microseconds it polls, yielding the core between tries, before sleeping", true};
+constexpr int64_t kDefaultYieldUs = 200;
+inline constexpr EnvVar kEnvShm{
+    "RINGREDUCE_SHM", "`1`",
+    "`0` keeps collectives on TCP even when every rank is on this host", true};
+inline constexpr EnvVar kEnvShmRingBytes{
+    "RINGREDUCE_SHM_RING_BYTES", "262144",
+    "bytes of each shared-memory ring buffer (one per ordered pair of ranks; halved while "
+    "the segment would pass 256 MiB)",
+    true};
+inline constexpr EnvVar kEnvCpuAvx2{
+    "RINGREDUCE_CPU_AVX2", "`1`",
+    "`0` runs the baseline (SSE2) build of the CPU batch-norm kernels instead of the AVX2 one "
+    "(bitwise the same results)",
+    true};
+inline constexpr EnvVar kEnvDebug{"RINGREDUCE_DEBUG", "0",
+                                  "`1` logs connection set-up and aborts to stderr", true};
+
+// Every variable above, in README order.
+inline constexpr const EnvVar* kEnvVariables[] = {
+    &kEnvIfname, &kEnvAddr,         &kEnvSegmentBytes, &kEnvSpinUs, &kEnvYieldUs,
+    &kEnvShm,    &kEnvShmRingBytes, &kEnvCpuAvx2,      &kEnvDebug};
+
+std::string envString(const EnvVar& var, const std::string& fallback);
+int64_t envInt(const EnvVar& var, int64_t fallback);
 bool debugEnabled();
 
 }  // namespace ringreduce

@@ -43,7 +43,7 @@ bool onCuda(const at::Tensor& x, const char* kernel) {
 #ifdef RINGREDUCE_CPU_AVX2
 // RINGREDUCE_CPU_AVX2=0 keeps the baseline build of the CPU kernels.
 bool useAvx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && envInt("RINGREDUCE_CPU_AVX2", 1) != 0;
+  static const bool yes = __builtin_cpu_supports("avx2") && envInt(kEnvCpuAvx2, 1) != 0;
   return yes;
 }
 #define RR_CPU(name, ...) (useAvx2() ? cpu_avx2::name(__VA_ARGS__) : cpu::name(__VA_ARGS__))

@@ -27,11 +27,6 @@
 namespace ringreduce {
 namespace shm {
 
-// RINGREDUCE_SHM=0 keeps every transfer on TCP.
-constexpr const char* kEnvShm = "RINGREDUCE_SHM";
-// RINGREDUCE_SHM_RING_BYTES: bytes of each ring buffer (per ordered pair).
-constexpr const char* kEnvShmRingBytes = "RINGREDUCE_SHM_RING_BYTES";
-
 // Test seams (the fault tests set them directly; never an environment variable).
 struct ShmTestHooks {
   bool dieAfterCreate = false;  // rank 0 SIGKILLs itself right after creating the segment

@@ -1,5 +1,6 @@
 #include "transport/tcp/socket.h"
 
+#include <cstdlib>
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
@@ -52,7 +53,7 @@ std::string interfaceAddress(const std::string& ifname) {
     }
   }
   freeifaddrs(list);
-  TORCH_CHECK_VALUE(!found.empty(), "[ringreduce] ", kEnvIfname, "=", ifname,
+  TORCH_CHECK_VALUE(!found.empty(), "[ringreduce] ", kEnvIfname.name, "=", ifname,
                     ": no IPv4 address on that interface");
   return found;
 }
@@ -97,7 +98,8 @@ std::string chooseLocalAddress(const std::string& storeHost) {
   if (!ifname.empty()) {
     return interfaceAddress(ifname);
   }
-  for (const std::string& host : {storeHost, envString("MASTER_ADDR", "")}) {
+  const char* masterAddr = std::getenv("MASTER_ADDR");  // torch's, not ours
+  for (const std::string& host : {storeHost, std::string(masterAddr ? masterAddr : "")}) {
     std::string local = host.empty() ? "" : routeTo(host);
     if (!local.empty()) {
       return local;
@@ -131,7 +133,7 @@ bool parseAddress(const std::string& text, sockaddr_in* out) {
 int listenOn(const std::string& addr, sockaddr_in* bound) {
   sockaddr_in want{};
   TORCH_CHECK_VALUE(parseAddress(addr + ":1", &want), "[ringreduce] cannot resolve local address '",
-                    addr, "' (set ", kEnvAddr, " or ", kEnvIfname, ")");
+                    addr, "' (set ", kEnvAddr.name, " or ", kEnvIfname.name, ")");
   want.sin_port = 0;
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   TORCH_CHECK(fd >= 0, "[ringreduce] socket() failed: ", errnoText());
