@@ -17,7 +17,10 @@ deps:
 # incremental), then installs the package in editable mode without compiling
 # again, for the `torch.backends` entry point that lets `import torch` register
 # the backend.
-.build-stamp: $(SOURCES)
+# A replaced torch rebuilds too: the build must match the torch it runs with.
+TORCH_VERSION_PY := $(shell $(PY) -c "import importlib.util as u; s = u.find_spec('torch'); \
+	print(s.submodule_search_locations[0] + '/version.py' if s else '')" 2>/dev/null)
+.build-stamp: $(SOURCES) $(TORCH_VERSION_PY)
 	MAX_JOBS=$(NPROC) $(PY) setup.py -q build_ext --inplace
 	@touch $@
 
@@ -49,4 +52,4 @@ report: build
 	$(PY) scripts/make_report.py
 
 clean:
-	rm -rf build *.egg-info torch_ringreduce/_C*.so .build-stamp
+	rm -rf build *.egg-info torch_ringreduce/_C*.so torch_ringreduce/_build_info.py .build-stamp

@@ -3,7 +3,8 @@
 CPU build (CppExtension) when torch has no CUDA; CUDA build (CUDAExtension,
 RINGREDUCE_WITH_CUDA defined, NCCL linked once csrc/transport/nccl/ exists) when
 it has and nvcc is found. Force either with RINGREDUCE_CUDA=0/1. Build with `pip install --no-build-isolation -e .` so
-the torch you run is the torch you built against.
+the torch you run is the torch you built against. The build records that torch in
+torch_ringreduce/_build_info.py; the package refuses to load _C under another one.
 """
 import glob
 import os
@@ -13,7 +14,16 @@ import os
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from setuptools import setup  # noqa: E402
-import torch  # noqa: E402
+
+try:
+    import torch  # noqa: E402
+except ImportError as err:  # pip's build isolation hides the installed torch
+    raise SystemExit(
+        f"torch_ringreduce: torch is needed to build ({err}). The extension is compiled "
+        "against the torch you run it with: install that torch first, then "
+        "build without pip's build isolation, which would hide it: "
+        "pip install --no-build-isolation -e ."
+    ) from None
 from torch.utils.cpp_extension import (  # noqa: E402
     CUDA_HOME,
     BuildExtension,
@@ -71,6 +81,34 @@ def nccl_library(library_dirs):
     return ":libnccl.so.2"
 
 
+# The torch the extension is compiled against, for torch_ringreduce/_extension.py
+# to compare with the running one before it opens _C (generated, not in git).
+BUILD_INFO = os.path.join("torch_ringreduce", "_build_info.py")
+
+
+def build_info(cuda: bool) -> str:
+    return (
+        '"""Written by setup.py when it built torch_ringreduce._C: the torch it was compiled\n'
+        'against. torch_ringreduce/_extension.py compares it with the running torch."""\n'
+        f"TORCH_VERSION = {str(torch.__version__)!r}\n"
+        f"TORCH_CUDA = {torch.version.cuda!r}\n"
+        f"WITH_CUDA = {cuda!r}\n"
+    )
+
+
+class BuildExt(BuildExtension.with_options(use_ninja=True)):
+    """Builds _C, then writes _build_info.py beside it: into the source tree for an
+    in-place or editable build, into build_lib (so into the wheel) otherwise."""
+
+    def run(self):
+        super().run()
+        inplace = self.inplace or getattr(self, "editable_mode", False)
+        target = os.path.join(HERE if inplace else self.build_lib, BUILD_INFO)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w") as f:
+            f.write(build_info(want_cuda()))
+
+
 def extension():
     cuda = want_cuda()
     # The language standard comes from torch (C++20 for 2.13).
@@ -81,6 +119,9 @@ def extension():
         sources=sources(cuda),
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": cxx},
+        # setuptools skips an extension newer than its sources: a reinstalled torch
+        # must count as a change too.
+        depends=[os.path.join(os.path.dirname(torch.__file__), "version.py")],
     )
     if cuda:
         kwargs["extra_compile_args"]["cxx"].append("-DRINGREDUCE_WITH_CUDA")
@@ -101,5 +142,5 @@ METADATA_ONLY = os.environ.get("RINGREDUCE_METADATA_ONLY") == "1"
 
 setup(
     ext_modules=[] if METADATA_ONLY else [extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt},
 )

@@ -57,6 +57,10 @@ def _check_backend_built(backend):
     if importlib.util.find_spec("torch_ringreduce._C") is None:
         pytest.fail("torch_ringreduce._C is not built: run `make build` or "
                     "`pip install --no-build-isolation --no-deps -e .`", pytrace=False)
+    from torch_ringreduce._extension import mismatch
+
+    if mismatch() is not None:
+        pytest.fail(f"{mismatch()} (or run `make build`)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

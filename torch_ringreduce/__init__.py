@@ -16,7 +16,8 @@ __all__ = ["BACKEND_NAME", "register", "__version__", "SyncBatchNorm", "revert_s
            "DistributedDataParallel", "environment", "functional", "parallel", "reference"]
 
 # Loaded on first use, not at import (keeps `import torch` cheap through the
-# entry point): name -> (module, attribute or None for the module itself).
+# entry point): name -> (module, attribute or None for the module itself). _C
+# comes through _extension.load(), which first checks the torch it was built against.
 _LAZY = {
     "_C": ("torch_ringreduce._C", None),
     "SyncBatchNorm": ("torch_ringreduce.sync_batchnorm", "SyncBatchNorm"),
@@ -34,6 +35,10 @@ register()
 def __getattr__(name):
     if name not in _LAZY:
         raise AttributeError(f"module 'torch_ringreduce' has no attribute {name!r}")
+    if name == "_C":
+        from torch_ringreduce._extension import load
+
+        return load()
     module_name, attribute = _LAZY[name]
     module = importlib.import_module(module_name)
     return module if attribute is None else getattr(module, attribute)

@@ -9,9 +9,9 @@ DEVICES = ["cpu", "cuda"]
 
 
 def _create_backend(store, rank, world_size, timeout):
-    from torch_ringreduce import _C
+    from torch_ringreduce._extension import load  # checks the torch _C was built against
 
-    return _C.RingBackend(store, rank, world_size, timeout)
+    return load().RingBackend(store, rank, world_size, timeout)
 
 
 def is_registered() -> bool:

@@ -31,7 +31,6 @@ over several ranks then gives var 0 (y = bias), and an empty global batch keeps
 the running stats through an on-device torch.where.
 """
 import functools
-import importlib
 import os
 import types
 
@@ -61,8 +60,10 @@ _BY_DIMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.Batch
 # ------------------------------------------------------------------ kernels
 
 def _compiled():
+    from torch_ringreduce._extension import load  # never opens a build for another torch
+
     try:
-        return importlib.import_module("torch_ringreduce._C")
+        return load()
     except ImportError:
         return None
 
