@@ -36,9 +36,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _cases import LARGE, Cases, assert_cases
 from _harness import backend_under_test
+from _outcomes import assert_survivors_name, attempt, error_info
 from _specs import BUILDERS, MOVING, REDUCING
 from test_collectives import (SUBGROUPS, concurrent_groups, issue_all_async, point_to_point,
                               sweep, sweep_many)
+from test_objects_ddp import LR, STEPS, _batch, _model  # the CPU DDP test's model and data
 
 # gloo, as the backend under test, covers CUDA only in part (no reduce, gather,
 # scatter, coalesced ops or p2p on CUDA tensors): this suite is ringreduce's.
@@ -258,19 +260,6 @@ def test_cuda_freed_output_memory_reused_without_corruption(worlds, world_size):
 # 3. DDP and nn.SyncBatchNorm on CUDA
 # --------------------------------------------------------------------------
 
-STEPS, BATCH, LR = 5, 6, 0.1
-
-
-def _model(seed):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def _batch(rank, step):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(BATCH, 8, generator=gen), torch.randn(BATCH, 4, generator=gen)
-
-
 def _average_hook(world_size):
     def hook(_, bucket):
         work = dist.all_reduce(bucket.buffer().div_(world_size), async_op=True)
@@ -396,22 +385,8 @@ MISMATCH_TIMEOUT_S = 30  # group timeout: the errors must come long before it
 MISMATCH_DETECT_S = 10
 
 
-def _error_info(err, started=None):
-    info = {"type": type(err).__name__, "msg": str(err),
-            "is_dist_backend_error": isinstance(err, dist.DistBackendError)}
-    if started is not None:
-        info["elapsed_s"] = time.monotonic() - started
-    return info
-
-
 def _attempt(fn):
-    started = time.monotonic()
-    try:
-        fn()
-        torch.cuda.current_stream().synchronize()
-    except Exception as err:  # noqa: BLE001 - reported to the parent
-        return _error_info(err, started)
-    return None
+    return attempt(fn, then=lambda: torch.cuda.current_stream().synchronize())
 
 
 def cuda_mismatch(ctx):
@@ -467,7 +442,7 @@ def cuda_rank_dies(ctx, victim, iterations_before):
             dist.all_reduce(t)
         except Exception as err:  # noqa: BLE001 - reported to the parent
             failed_at = time.time()
-            info = _error_info(err)
+            info = error_info(err)
             info.update(iteration=i, detect_s=failed_at - float(sync.get("killed_at").decode()))
             return info
     return None
@@ -479,19 +454,5 @@ def test_cuda_dead_rank_is_named_by_the_survivors(fresh_world):
                          raise_on_error=False)
     victim = outcomes[KILL_VICTIM]
     assert not victim.ok and victim.exitcode == KILL_EXIT_CODE, victim
-    detections = {}
-    for o in outcomes:
-        if o.rank == KILL_VICTIM:
-            continue
-        assert o.ok, f"rank {o.rank} failed in the harness: {o.text or o.exitcode}"
-        info = o.value
-        assert info is not None, f"rank {o.rank} finished 1000 all_reduces without rank 1"
-        assert info["is_dist_backend_error"], f"rank {o.rank}: {info['type']}: {info['msg']}"
-        msg = info["msg"]
-        assert f"rank {KILL_VICTIM}" in msg, f"rank {o.rank} does not name the lost peer: {msg!r}"
-        assert re.search(rf"with rank {KILL_VICTIM} \(", msg), msg
-        assert "no longer usable" in msg.lower(), msg
-        assert info["detect_s"] < KILL_DETECT_S, (
-            f"rank {o.rank} took {info['detect_s']:.1f} s to notice: {msg}")
-        detections[o.rank] = round(info["detect_s"], 3)
+    detections = assert_survivors_name(outcomes, KILL_VICTIM, KILL_DETECT_S)
     print(f"cuda: death detection (s after os._exit) by rank: {detections}")

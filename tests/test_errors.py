@@ -23,26 +23,11 @@ import torch
 import torch.distributed as dist
 
 from _harness import World
+from _outcomes import assert_survivors_name, backend_of, error_info
 
 R = dist.ReduceOp
 CPU = torch.device("cpu")
 RUN_TIMEOUT_S = 90  # hard limit per remote call: a hang fails the test
-
-
-def _backend(group=None):
-    return (group or dist.group.WORLD)._get_backend(CPU)
-
-
-def _error_info(err, started=None):
-    info = {
-        "type": type(err).__name__,
-        "is_value_error": isinstance(err, ValueError),
-        "is_dist_backend_error": isinstance(err, dist.DistBackendError),
-        "msg": str(err),
-    }
-    if started is not None:
-        info["elapsed_s"] = time.monotonic() - started
-    return info
 
 
 def _check_sum(ctx, count=3):
@@ -51,7 +36,7 @@ def _check_sum(ctx, count=3):
     try:
         dist.all_reduce(t)
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        return _error_info(err)
+        return error_info(err)
     return t.tolist()
 
 
@@ -72,7 +57,7 @@ def _sparse(n):
 BAD_CALLS = {
     # all_reduce takes sparse COO tensors (tests/test_sparse.py); the others do
     # not (torch's dispatcher routes only all_reduce's to a backend).
-    "sparse": (lambda r, n: _backend().broadcast([_sparse(4)]),
+    "sparse": (lambda r, n: backend_of().broadcast([_sparse(4)]),
                "broadcast", "must be dense", False),
     "bitwise_on_float": (lambda r, n: dist.all_reduce(torch.ones(4), op=R.BAND, async_op=True),
                          "allreduce", "reduce op BAND is not supported for dtype float32", False),
@@ -100,7 +85,7 @@ BAD_CALLS = {
     # dist.all_gather rejects mixed dtypes in Python before the backend sees
     # them, so this one calls the backend object directly.
     "all_gather_mixed_dtypes": (
-        lambda r, n: _backend().allgather([[torch.empty(5, dtype=torch.float64),
+        lambda r, n: backend_of().allgather([[torch.empty(5, dtype=torch.float64),
                                             torch.empty(5)]], [torch.ones(5)]),
         "allgather", "output tensor 0 has dtype float64, expected float32", False),
     "all_gather_into_tensor_size": (
@@ -121,7 +106,7 @@ BAD_CALLS = {
 
 def _bad_call(ctx, case):
     call = BAD_CALLS[case][0]
-    seq_before = _backend()._get_sequence_number_for_group()
+    seq_before = backend_of()._get_sequence_number_for_group()
     raised_in, err = None, None
     try:
         work = call(ctx.rank, ctx.world_size)
@@ -133,10 +118,10 @@ def _bad_call(ctx, case):
         err = caught
         raised_in = raised_in or "call"
     return {
-        "error": _error_info(err) if err is not None else None,
+        "error": error_info(err) if err is not None else None,
         "raised_in": raised_in,
         "seq_before": seq_before,
-        "seq_after": _backend()._get_sequence_number_for_group(),
+        "seq_after": backend_of()._get_sequence_number_for_group(),
         "after": _check_sum(ctx),
     }
 
@@ -193,13 +178,13 @@ def _mismatch(ctx, kind):
         _mismatched_call(ctx, kind)
         first = None
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        first = _error_info(err, started)
+        first = error_info(err, started)
     started = time.monotonic()
     try:
         dist.all_reduce(torch.ones(4))
         after = None
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        after = _error_info(err, started)
+        after = error_info(err, started)
     return {"first": first, "after": after}
 
 
@@ -279,7 +264,7 @@ def _one_rank_stalls(ctx, op):
             dist.barrier()
         info = None
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        info = _error_info(err, started)
+        info = error_info(err, started)
     sync.set("done", "1")
     return info
 
@@ -312,13 +297,13 @@ def _wait_timeout(ctx):
         work.wait(timeout=timedelta(seconds=1))
         info = None
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        info = _error_info(err, started)
+        info = error_info(err, started)
     sync.set("go", "1")
     try:
         work.wait()  # the op kept running and now completes
         late = None
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        late = _error_info(err)
+        late = error_info(err)
     return {"wait_error": info, "late_error": late, "sum": t[0].item()}
 
 
@@ -357,7 +342,7 @@ def _kill_one_rank(ctx, victim, iterations_before):
             dist.all_reduce(t)
         except Exception as err:  # noqa: BLE001 - reported to the parent
             failed_at = time.time()
-            info = _error_info(err)
+            info = error_info(err)
             killed_at = float(sync.get("killed_at").decode())
             info.update(iteration=i, detect_s=failed_at - killed_at)
             return info
@@ -370,21 +355,7 @@ def test_killed_rank_is_named_by_the_survivors_quickly(fresh_world):
                          raise_on_error=False)
     victim = outcomes[KILL_VICTIM]
     assert not victim.ok and victim.exitcode == -signal.SIGKILL, victim
-    detections = {}
-    for o in outcomes:
-        if o.rank == KILL_VICTIM:
-            continue
-        assert o.ok, f"rank {o.rank} failed in the harness: {o.text or o.exitcode}"
-        info = o.value
-        assert info is not None, f"rank {o.rank} finished 1000 all_reduces without rank 1"
-        assert info["is_dist_backend_error"], f"rank {o.rank}: {info['type']}: {info['msg']}"
-        msg = info["msg"]
-        assert f"rank {KILL_VICTIM}" in msg, f"rank {o.rank} does not name the lost peer: {msg!r}"
-        assert re.search(rf"with rank {KILL_VICTIM} \(", msg), msg
-        assert "no longer usable" in msg.lower(), msg
-        assert info["detect_s"] < KILL_DETECT_S, (
-            f"rank {o.rank} took {info['detect_s']:.1f} s to notice: {msg}")
-        detections[o.rank] = round(info["detect_s"], 3)
+    detections = assert_survivors_name(outcomes, KILL_VICTIM, KILL_DETECT_S)
     print(f"kill detection (s after SIGKILL) by rank: {detections}")
 
 
@@ -415,7 +386,7 @@ def _visit_as_stranger(addr):
 
 def _strangers(ctx):
     """Rank 1 plays strangers at rank 0's port; rank 0 records its stderr."""
-    backend = _backend()
+    backend = backend_of()
     addrs = [None] * ctx.world_size
     dist.all_gather_object(addrs, backend.listen_address(), group=ctx.oracle)
     log_path = os.path.join(ctx.store_dir, "rank0-stderr")

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from _harness import WorldPool, backend_under_test
+from _outcomes import attempt, backend_of, error_info, with_env
 
 pytestmark = pytest.mark.skipif("ringreduce" not in backend_under_test(),
                                 reason="tests ringreduce's own fault handling")
@@ -60,54 +61,15 @@ MISMATCH_DETECT_S = 5
 # Helpers (run on the ranks unless noted)
 # --------------------------------------------------------------------------
 
-def _backend(group=None):
-    return (group or dist.group.WORLD)._get_backend(CPU)
-
-
-def _error_info(err, started=None):
-    info = {
-        "type": type(err).__name__,
-        "is_value_error": isinstance(err, ValueError),
-        "is_dist_backend_error": isinstance(err, dist.DistBackendError),
-        "msg": str(err),
-    }
-    if started is not None:
-        info["elapsed_s"] = time.monotonic() - started
-    return info
-
-
-def _attempt(fn):
-    """(None, elapsed) if fn() returned, else (error info, elapsed)."""
-    started = time.monotonic()
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - reported to the parent
-        return _error_info(err, started)
-    return None
-
-
-def _with_env(env, fn):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _shm_env(transport):
     return {"RINGREDUCE_SHM": "0" if transport == "tcp" else "1"}
 
 
 def _new_group(transport="shm", timeout_s=MISMATCH_GROUP_TIMEOUT_S):
     """A ringreduce group over every rank on `transport`; every rank calls it."""
-    group = _with_env(_shm_env(transport), lambda: dist.new_group(
+    group = with_env(_shm_env(transport), lambda: dist.new_group(
         backend="ringreduce", timeout=timedelta(seconds=timeout_s)))
-    return group, _backend(group).transport_kind()
+    return group, backend_of(group).transport_kind()
 
 
 def _direct_backend(ctx, tag, timeout_s, transport="shm"):
@@ -115,7 +77,7 @@ def _direct_backend(ctx, tag, timeout_s, transport="shm"):
     from torch_ringreduce import _C
 
     store = dist.PrefixStore(f"{tag}/", ctx.new_store(tag))
-    return _with_env(_shm_env(transport), lambda: _C.RingBackend(
+    return with_env(_shm_env(transport), lambda: _C.RingBackend(
         store, ctx.rank, ctx.world_size, timedelta(seconds=timeout_s)))
 
 
@@ -125,7 +87,7 @@ def _check_sum(ctx, group, count=3):
     try:
         dist.all_reduce(t, group=group)
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        return _error_info(err)
+        return error_info(err)
     return t.tolist()
 
 
@@ -192,8 +154,8 @@ def _disagreeing_root(ctx, transport, op, timeout_s):
         else:
             raise AssertionError(op)
 
-    first = _attempt(call)
-    after = _attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
+    first = attempt(call)
+    after = attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
     return {"kind": kind, "first": first, "after": after,
             "data": t[:3].tolist() if first is None else None}
 
@@ -246,10 +208,10 @@ def _broadcast_against_all_reduce(ctx, transport):
     group, kind = _new_group(transport)
     t = torch.full((1000,), float(ctx.rank + 1))
     if ctx.rank == 0:
-        first = _attempt(lambda: dist.broadcast(t, src=0, group=group))
+        first = attempt(lambda: dist.broadcast(t, src=0, group=group))
     else:
-        first = _attempt(lambda: dist.all_reduce(t, group=group))
-    after = _attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
+        first = attempt(lambda: dist.all_reduce(t, group=group))
+    after = attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
     return {"kind": kind, "first": first, "after": after,
             "data": t[:3].tolist() if first is None else None}
 
@@ -284,7 +246,7 @@ def _construct_unless_absent(ctx, tag, absent, timeout_s):
     try:
         backend = _direct_backend(ctx, tag, timeout_s)
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        return _error_info(err, started)
+        return error_info(err, started)
     kind = backend.transport_kind()
     del backend
     return {"constructed": kind, "elapsed_s": time.monotonic() - started}
@@ -342,7 +304,7 @@ def _store_host_stops(ctx, tag, timeout_s):
     sync.wait(["stopping"], timedelta(seconds=30))
     pid0 = int(sync.get("pid0").decode())
     _wait_stopped(pid0)
-    info = _attempt(lambda: backend.allreduce([t]).wait())
+    info = attempt(lambda: backend.allreduce([t]).wait())
     sync.set(f"done{r}", "1")
     if r == 1:
         try:
@@ -394,11 +356,11 @@ def _abandoned_op(ctx, transport, tag):
     if ctx.rank == 0:
         opts = dist.AllreduceOptions()
         opts.timeout = timedelta(seconds=1)
-        first = _attempt(lambda: _backend(group).allreduce([t], opts).wait())
+        first = attempt(lambda: backend_of(group).allreduce([t], opts).wait())
         sync.set("go", "1")
         return {"kind": kind, "error": first}
     sync.wait(["go"], timedelta(seconds=30))
-    late = _attempt(lambda: dist.all_reduce(t, group=group))
+    late = attempt(lambda: dist.all_reduce(t, group=group))
     return {"kind": kind, "error": late, "data": t[:3].tolist() if late is None else None}
 
 
@@ -437,7 +399,7 @@ def _die_after_create(ctx, tag, timeout_s):
     try:
         backend = _direct_backend(ctx, tag, timeout_s, "shm")
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        return _error_info(err, started)
+        return error_info(err, started)
     return {"constructed": backend.transport_kind()}
 
 
@@ -492,7 +454,7 @@ def test_stale_segment_of_a_dead_creator_is_reclaimed(pool):
 
 def _expanded_input(ctx):
     group, _ = _new_group()
-    err = _attempt(lambda: dist.all_reduce(torch.ones(1).expand(4), group=group))
+    err = attempt(lambda: dist.all_reduce(torch.ones(1).expand(4), group=group))
     return {"error": err, "after": _check_sum(ctx, group)}
 
 
@@ -534,7 +496,7 @@ def _grad_tensors(ctx):
         out["async_plain"] = y.clone()
         out["async_leaf"] = z.detach().clone()
 
-    errors = {name: _attempt(fn) for name, fn in [
+    errors = {name: attempt(fn) for name, fn in [
         ("view", view_of_leaf), ("avg", avg_on_leaf), ("async", async_avg_no_grad)]}
     return {"out": out, "errors": errors, "after": _check_sum(ctx, group)}
 
@@ -572,7 +534,7 @@ def _gather_root_bad_list(ctx):
         work.wait()
         return {"error": None}
     except Exception as err:  # noqa: BLE001 - reported to the parent
-        info = _error_info(err, started)
+        info = error_info(err, started)
         info["raised_in"] = raised_in
         return {"error": info}
 
@@ -603,7 +565,7 @@ FLOOD_CPU_LIMIT_S = 0.3
 
 def _out_of_descriptors(ctx, connections, hold_s):
     group, _ = _new_group()
-    backend = _backend(group)
+    backend = backend_of(group)
     addrs = [None] * ctx.world_size
     dist.all_gather_object(addrs, backend.listen_address(), group=ctx.oracle)
     result = {}
@@ -656,7 +618,7 @@ KEPT_REFUSALS = 64
 
 def _stranger_flood(ctx, count):
     group, _ = _new_group()
-    backend = _backend(group)
+    backend = backend_of(group)
     before = backend.refused_connection_count()
     addrs = [None] * ctx.world_size
     dist.all_gather_object(addrs, backend.listen_address(), group=ctx.oracle)
@@ -712,7 +674,7 @@ def _one_rank_stopped(ctx, tag, victim, timeout_s):
     pid = int(sync.get("victim_pid").decode())
     _wait_stopped(pid)
     t = torch.ones(1 << 20)  # 4 MiB: the ring, so most ranks wait for a live neighbour
-    info = _attempt(lambda: dist.all_reduce(t, group=group))
+    info = attempt(lambda: dist.all_reduce(t, group=group))
     sync.set(f"done{ctx.rank}", "1")
     last = ctx.world_size - 1
     if ctx.rank == last:
@@ -766,7 +728,7 @@ def _p2p_ring_with_a_kill(ctx, tag, victim, kill_at):
                 work.wait()
         except Exception as err:  # noqa: BLE001 - reported to the parent
             failed_at = time.time()
-            info = _error_info(err)
+            info = error_info(err)
             sync.wait(["killed_at"], timedelta(seconds=30))
             info.update(iteration=i,
                         detect_s=failed_at - float(sync.get("killed_at").decode()))

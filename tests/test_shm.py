@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from _harness import backend_under_test
+from _outcomes import with_env
 
 pytestmark = pytest.mark.skipif(backend_under_test() != "ringreduce",
                                 reason="tests ringreduce's own transport")
@@ -33,16 +34,7 @@ def test_transport_chosen_by_host(worlds, world_size, want):
 
 def _group_with_env(**env):
     """A new ringreduce group over all ranks, created with `env` set."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    try:
-        return dist.new_group(backend="ringreduce")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return with_env(env, lambda: dist.new_group(backend="ringreduce"))
 
 
 def _collectives(ctx, group):

@@ -75,8 +75,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
                      wireOp(opts.reduceOp), total);
   auto reduceOp = opts.reduceOp;
   DeviceStage stage = DeviceStage::begin(ctx, tensors);
-  std::vector<at::Tensor> ts;
-  for (const auto& t : tensors) ts.push_back(stage.inout(t));
+  std::vector<at::Tensor> ts = stage.inout(tensors);
   return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp,
                  [ts, fn, reduceOp](const Comm& c) {
                    at::Tensor flat = flatten(ts);
@@ -148,8 +147,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
   std::vector<at::Tensor> all = outputs[0];
   all.push_back(in);
   DeviceStage stage = DeviceStage::begin(ctx, all);
-  std::vector<at::Tensor> outs;
-  for (const auto& t : outputs[0]) outs.push_back(stage.out(t));
+  std::vector<at::Tensor> outs = stage.out(outputs[0]);
   at::Tensor h = stage.in(in);
   return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER, outputs[0], opts.asyncOp,
                  [in = h, outs](const Comm& c) {
@@ -215,13 +213,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
   std::vector<at::Tensor> all = flatOuts;
   all.insert(all.end(), inputs.begin(), inputs.end());
   DeviceStage stage = DeviceStage::begin(ctx, all);
-  std::vector<at::Tensor> ins;
-  for (const auto& t : inputs) ins.push_back(stage.in(t));
+  std::vector<at::Tensor> ins = stage.in(inputs);
   std::vector<std::vector<at::Tensor>> outs;
-  for (const auto& l : outputLists) {
-    outs.emplace_back();
-    for (const auto& t : l) outs.back().push_back(stage.out(t));
-  }
+  for (const auto& l : outputLists) outs.push_back(stage.out(l));
   return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, flatOuts, opts.asyncOp,
                  [ins, outs, total](const Comm& c) {
                    at::Tensor all = at::empty({total * c.size}, ins[0].options());
@@ -267,8 +261,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
   std::vector<at::Tensor> all = outs;
   all.push_back(in);
   DeviceStage stage = DeviceStage::begin(ctx, all);
-  std::vector<at::Tensor> hostOuts;
-  for (const auto& t : outs) hostOuts.push_back(stage.out(t));
+  std::vector<at::Tensor> hostOuts = stage.out(outs);
   at::Tensor h = stage.in(in);
   return enqueue(std::move(op), opts.timeout, OpType::GATHER, outs, opts.asyncOp,
                  [in = h, outs = hostOuts, root](const Comm& c) {
@@ -312,8 +305,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& out
   std::vector<at::Tensor> all = ins;
   all.push_back(out);
   DeviceStage stage = DeviceStage::begin(ctx, all);
-  std::vector<at::Tensor> hostIns;
-  for (const auto& t : ins) hostIns.push_back(stage.in(t));
+  std::vector<at::Tensor> hostIns = stage.in(ins);
   at::Tensor h = stage.out(out);
   return enqueue(std::move(op), opts.timeout, OpType::SCATTER, outputs, opts.asyncOp,
                  [ins = hostIns, out = h, root](const Comm& c) {

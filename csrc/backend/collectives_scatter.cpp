@@ -69,8 +69,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
   std::vector<at::Tensor> all = inputs[0];
   all.push_back(out);
   DeviceStage stage = DeviceStage::begin(ctx, all);
-  std::vector<at::Tensor> ins;
-  for (const auto& t : inputs[0]) ins.push_back(stage.in(t));
+  std::vector<at::Tensor> ins = stage.in(inputs[0]);
   at::Tensor h = stage.out(out);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp,
                  [ins, out = h, fn, reduceOp](const Comm& c) {
@@ -160,9 +159,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& ou
   std::vector<at::Tensor> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
   DeviceStage stage = DeviceStage::begin(ctx, all);
-  std::vector<at::Tensor> ins, outs;
-  for (const auto& t : inputs) ins.push_back(stage.in(t));
-  for (const auto& t : outputs) outs.push_back(stage.out(t));
+  std::vector<at::Tensor> ins = stage.in(inputs);
+  std::vector<at::Tensor> outs = stage.out(outputs);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL, outputs, opts.asyncOp,
                  [ins, outs, sendBytes, recvBytes](const Comm& c) {
                    std::vector<at::Tensor> sIn, sOut;

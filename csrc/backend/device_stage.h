@@ -47,6 +47,16 @@ class DeviceStage {
   at::Tensor in(const at::Tensor& t);
   at::Tensor out(const at::Tensor& t);
   at::Tensor inout(const at::Tensor& t);
+  // The same for each tensor of a list, in order.
+  std::vector<at::Tensor> in(const std::vector<at::Tensor>& ts) {
+    return each(ts, &DeviceStage::in);
+  }
+  std::vector<at::Tensor> out(const std::vector<at::Tensor>& ts) {
+    return each(ts, &DeviceStage::out);
+  }
+  std::vector<at::Tensor> inout(const std::vector<at::Tensor>& ts) {
+    return each(ts, &DeviceStage::inout);
+  }
 
   // Caller thread, after the last in/out/inout: marks the end of the copies
   // to the host.
@@ -64,6 +74,13 @@ class DeviceStage {
   bool query() const;
 
  private:
+  std::vector<at::Tensor> each(const std::vector<at::Tensor>& ts,
+                               at::Tensor (DeviceStage::*one)(const at::Tensor&)) {
+    std::vector<at::Tensor> hosts;
+    hosts.reserve(ts.size());
+    for (const auto& t : ts) hosts.push_back((this->*one)(t));
+    return hosts;
+  }
   struct Impl;
   std::shared_ptr<Impl> impl_;
 };
