@@ -6,6 +6,7 @@
     y = torch_ringreduce.functional.sync_batch_norm(x, rm, rv, w, b, training=True)
     model = torch_ringreduce.DistributedDataParallel(model)   # bucketed, overlapped
     torch_ringreduce.reference.ring_allreduce_(t)              # the textbook algorithms
+    torch_ringreduce.traffic()      # {'bytes_sent', 'bytes_received', 'ops'} of this rank
 """
 import importlib
 
@@ -13,7 +14,8 @@ from torch_ringreduce._registration import BACKEND_NAME, register
 
 __version__ = "0.1.0"
 __all__ = ["BACKEND_NAME", "register", "__version__", "SyncBatchNorm", "revert_sync_batchnorm",
-           "DistributedDataParallel", "environment", "functional", "parallel", "reference"]
+           "DistributedDataParallel", "environment", "functional", "parallel", "reference",
+           "traffic", "reset_traffic"]
 
 # Loaded on first use, not at import (keeps `import torch` cheap through the
 # entry point): name -> (module, attribute or None for the module itself). _C
@@ -27,6 +29,8 @@ _LAZY = {
     "environment": ("torch_ringreduce._env", "environment"),
     "parallel": ("torch_ringreduce.parallel", None),
     "reference": ("torch_ringreduce.reference", None),
+    "traffic": ("torch_ringreduce._traffic", "traffic"),
+    "reset_traffic": ("torch_ringreduce._traffic", "reset_traffic"),
 }
 
 register()

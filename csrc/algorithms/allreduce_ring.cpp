@@ -95,7 +95,7 @@ void allreduceDirect(const Comm& c, char* data, size_t count, size_t elemSize, R
     sends.push_back({peer, data, bytes, 0});
     recvs.push_back({peer, all.data() + peer * bytes, bytes, 0, {}});
   }
-  c.transport.exchange(c.op, sends, recvs);
+  c.exchange(sends, recvs);
   std::memcpy(all.data() + c.rank * bytes, data, bytes);
   std::memcpy(data, all.data(), bytes);
   for (int r = 1; r < c.size; ++r) fn(data, all.data() + r * bytes, count);

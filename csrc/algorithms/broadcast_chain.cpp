@@ -42,7 +42,7 @@ void broadcastChain(const Comm& c, char* data, size_t bytes, int root) {
     if (k == segments && pos == 0) recvs.push_back({c.left(), nullptr, 0, kAckStep, {}});
     if (k == segments && pos == c.size - 1) sends.push_back({c.right(), nullptr, 0, kAckStep});
     if (!sends.empty() || !recvs.empty()) {
-      c.transport.exchange(c.op, sends, recvs);
+      c.exchange(sends, recvs);
     }
   }
 }

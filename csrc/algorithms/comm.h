@@ -4,6 +4,7 @@
 
 #include <functional>
 
+#include "transport/traffic.h"
 #include "transport/transport.h"
 
 namespace ringreduce {
@@ -14,6 +15,20 @@ struct Comm {
   int rank;
   int size;
   size_t segmentBytes;  // largest ring message (pipelining unit)
+  Traffic* traffic = nullptr;  // counts the payload bytes of completed exchanges
+
+  // Every algorithm moves its data through here: the transport's exchange,
+  // then the bytes counted (a failed exchange throws and counts nothing).
+  void exchange(std::vector<SendSpec>& sends, std::vector<RecvSpec>& recvs) const {
+    transport.exchange(op, sends, recvs);
+    if (traffic) {
+      size_t out = 0, in = 0;
+      for (const auto& s : sends) out += s.bytes;
+      for (const auto& r : recvs) in += r.bytes;
+      traffic->sent(out);
+      traffic->received(in);
+    }
+  }
 
   int left() const { return (rank + size - 1) % size; }
   int right() const { return (rank + 1) % size; }
@@ -26,7 +41,7 @@ struct Comm {
     std::vector<RecvSpec> recvs;
     if (sendPeer >= 0) sends.push_back({sendPeer, sendData, sendBytes, step});
     if (recvPeer >= 0) recvs.push_back({recvPeer, recvData, recvBytes, step, std::move(onProgress)});
-    transport.exchange(op, sends, recvs);
+    exchange(sends, recvs);
   }
 };
 

@@ -42,13 +42,13 @@ void rootExchange(const Comm& c, const std::vector<char*>& blocks,
   } else {
     move(root, blocks[c.rank], bytes[c.rank]);
   }
-  c.transport.exchange(c.op, sends, recvs);
+  c.exchange(sends, recvs);
   // The receivers acknowledge every message they checked.
   std::vector<SendSpec> acks;
   std::vector<RecvSpec> ackRecvs;
   for (const auto& r : recvs) acks.push_back({r.peer, nullptr, 0, kAckStep});
   for (const auto& s : sends) ackRecvs.push_back({s.peer, nullptr, 0, kAckStep, {}});
-  c.transport.exchange(c.op, acks, ackRecvs);
+  c.exchange(acks, ackRecvs);
   // Scatter's non-roots received data: they keep it only once the root has
   // heard every rank's acknowledgement, so no rank returns data from a scatter
   // the ranks disagreed on (a root of its own, another op).
@@ -57,7 +57,7 @@ void rootExchange(const Comm& c, const std::vector<char*>& blocks,
     std::vector<RecvSpec> commitRecvs;
     for (const auto& s : sends) commits.push_back({s.peer, nullptr, 0, kAckStep});
     for (const auto& r : recvs) commitRecvs.push_back({r.peer, nullptr, 0, kAckStep, {}});
-    c.transport.exchange(c.op, commits, commitRecvs);
+    c.exchange(commits, commitRecvs);
   }
 }
 

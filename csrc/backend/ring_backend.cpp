@@ -85,6 +85,7 @@ OpContext RingBackend::nextContext(const char* name, const std::string& tensor) 
 
 OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
                            uint64_t total, int32_t root) {
+  traffic_.countOp(name);
   OpInfo op;
   std::lock_guard<std::mutex> lock(mu_);
   op.ctx = OpContext{getRank(), getSize(), name, ++seq_, t.defined() ? describe(t) : ""};
@@ -147,7 +148,7 @@ void RingBackend::runEntry(Entry& e) {
   at::NoGradGuard noGrad;
   e.op.timeout = e.timeout;
   e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
-  Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_};
+  Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, &traffic_};
   DeviceStage& stage = e.work->stage();
   try {
     stage.beforeRun();  // CUDA: the copies to the host are done
@@ -219,6 +220,7 @@ void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
   const auto deadline = Clock::now() + timeout;
   const std::string seq = std::to_string(++monitoredSeq_);
   const std::string what = "monitored_barrier#" + seq;
+  traffic_.countOp("monitored_barrier");
   const std::string prefix = rankPrefix(getRank(), getSize()) + " " + what + ": ";
   const std::string ms = std::to_string(timeout.count()) + " ms";
   StoreCalls& st = tcp_->store();
@@ -285,9 +287,16 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
   stage.seal();
   stage.beforeRun();
   at::Tensor s = staged(h);  // kept alive by the callback until sent
+  traffic_.countOp("send");
+  Traffic* traffic = &traffic_;  // outlives the callback: shutdown joins the transport
   transport_->postSend(op, dstRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
-                       [work, s](int, std::exception_ptr err) {
-                         err ? work->fail(err) : work->complete();
+                       [work, s, traffic](int, std::exception_ptr err) {
+                         if (err) {
+                           work->fail(err);
+                           return;
+                         }
+                         traffic->sent(nbytes(s));
+                         work->complete();
                        });
   return work;
 }
@@ -325,12 +334,15 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
   stage.seal();
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, tensors, std::move(stage));
   at::Tensor s = staged(h);
+  traffic_.countOp("recv");
+  Traffic* traffic = &traffic_;  // outlives the callback: shutdown joins the transport
   transport_->postRecv(op, srcRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
-                       [work, s, h](int source, std::exception_ptr err) {
+                       [work, s, h, traffic](int source, std::exception_ptr err) {
                          if (err) {
                            work->fail(err);
                            return;
                          }
+                         traffic->received(nbytes(s));
                          try {
                            at::NoGradGuard noGrad;
                            writeBack(h, s);

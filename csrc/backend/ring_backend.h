@@ -21,6 +21,7 @@
 
 #include "algorithms/comm.h"
 #include "backend/ring_work.h"
+#include "transport/traffic.h"
 #include "transport/transport.h"
 
 namespace ringreduce {
@@ -98,6 +99,11 @@ class RingBackend : public c10d::Backend {
   // build).
   std::string transportKind(const std::string& device = "cpu") const;
   std::vector<std::string> refusedConnections() const;
+  // This rank's traffic on this group since creation or the last reset:
+  // payload bytes sent and received, and ops issued by torch.distributed name
+  // (transport/traffic.h says what counts).
+  const Traffic& traffic() const { return traffic_; }
+  void resetTraffic() { traffic_.reset(); }
   uint64_t refusedCount() const;
 
  private:
@@ -143,6 +149,7 @@ class RingBackend : public c10d::Backend {
   tcp::TcpTransport* tcp_ = nullptr;      // the TCP mesh (owned through transport_)
   std::chrono::milliseconds timeout_;
   size_t segmentBytes_;
+  Traffic traffic_;  // atomics: updated by the worker, transport threads and callers
 
   // Locking: mu_ guards queue_, stopping_, running_ and seq_ (cv_ waits on
   // it). It is never held while an op runs or a store call waits, so a

@@ -34,7 +34,24 @@ PYBIND11_MODULE(_C, m) {
       .def("refused_connections", &ringreduce::RingBackend::refusedConnections,
            "Why the most recent refused (unauthenticated) connections were refused")
       .def("refused_connection_count", &ringreduce::RingBackend::refusedCount,
-           "How many connections were refused (or not accepted) in all");
+           "How many connections were refused (or not accepted) in all")
+      .def(
+          "stats",
+          [](const ringreduce::RingBackend& b) {
+            const ringreduce::Traffic& t = b.traffic();
+            py::dict ops;
+            for (const auto& [name, count] : t.ops()) ops[py::str(name)] = count;
+            py::dict out;
+            out["bytes_sent"] = t.bytesSent();
+            out["bytes_received"] = t.bytesReceived();
+            out["ops"] = ops;
+            return out;
+          },
+          "This rank's traffic on this group since it was created or last reset: "
+          "{'bytes_sent': int, 'bytes_received': int, 'ops': {dist op name: count}}. "
+          "Payload bytes of completed transfers (message headers not counted).")
+      .def("reset_stats", &ringreduce::RingBackend::resetTraffic,
+           "Zeroes the counters that stats() reports");
 
   m.def(
       "_shm_test_die_after_create",
