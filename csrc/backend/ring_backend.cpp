@@ -193,7 +193,7 @@ std::string RingBackend::transportKind(const std::string& device) const {
   if (device == "cuda") return cudaPathName();
   TORCH_CHECK_VALUE(device == "cpu", "[ringreduce] transport_kind: unknown device '", device,
                     "' (expected 'cpu' or 'cuda')");
-  return transport_.get() == static_cast<Transport*>(tcp_) ? "tcp" : "shm";
+  return transport_->name();
 }
 
 std::string RingBackend::listenAddress() const {

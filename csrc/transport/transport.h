@@ -137,6 +137,10 @@ class Transport {
  public:
   virtual ~Transport() = default;
 
+  // What carries this group's collectives: "tcp", "shm" (what
+  // transport_kind() reports; the backend asks, never compares pointers).
+  virtual std::string name() const = 0;
+
   // Progresses all sends and receives concurrently (a ring step sends right
   // while it receives left) until every one is complete. At most one send and
   // one receive per peer. On timeout, a lost peer or a header that does not

@@ -148,6 +148,7 @@ class ShmTransport : public Transport {
     tcp_->abort(reason);
   }
   std::string abortReason() const override { return tcp_->abortReason(); }
+  std::string name() const override { return "shm"; }
   void close() override { tcp_->close(); }
 
  private:

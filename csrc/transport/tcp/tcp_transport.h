@@ -47,6 +47,7 @@ class TcpTransport : public Transport {
   void confirm(const OpInfo& op) override;
   void abort(const std::string& reason) override;
   std::string abortReason() const override;
+  std::string name() const override { return "tcp"; }
   void close() override;
 
   // For a transport layered over this one (shared memory), which keeps the
