@@ -10,8 +10,9 @@ PYTEST_ARGS ?=
 # torch: an installed 2.11+ is used as it is; otherwise the pinned CPU build.
 deps:
 	@$(PY) scripts/check_torch.py || $(PY) -m pip install -q torch==2.13.0
-	@$(PY) -c "import pytest, numpy, tqdm, ninja, nbformat, nbclient, ipykernel, matplotlib" \
-		2>/dev/null || $(PY) -m pip install -q pytest numpy tqdm ninja nbformat nbclient ipykernel matplotlib
+	@$(PY) -c "import pytest, numpy, tqdm, ninja, nbformat, nbclient, ipykernel, matplotlib, sklearn" \
+		2>/dev/null || $(PY) -m pip install -q pytest numpy tqdm ninja nbformat nbclient ipykernel \
+		matplotlib scikit-learn
 
 # Builds the extension in place (ninja keeps build/ so rebuilds are
 # incremental), then installs the package in editable mode without compiling
@@ -47,7 +48,7 @@ bench: build
 	$(PY) scripts/bench_collectives.py --nproc 4 --backends ringreduce gloo -b 4K -e 64M -f 4
 
 # Full benchmarks and training comparisons into results/, then the notebooks
-# executed in place (about 30 minutes on 2 cores).
+# executed in place (about 40 minutes on 2 cores).
 report: build
 	$(PY) scripts/make_report.py
 

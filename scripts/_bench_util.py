@@ -223,8 +223,64 @@ def size_sweep(begin, end, factor, step=0):
     return sizes
 
 
+def size_label(size):
+    """4096 -> '4K', 1048576000 -> '1000M': the largest binary unit that divides it."""
+    for unit in ("G", "M", "K"):
+        if size >= _UNITS[unit] and size % _UNITS[unit] == 0:
+            return f"{size // _UNITS[unit]}{unit}"
+    return str(size)
+
+
 def plural(count, noun):
     return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+# ---------------------------------------------------------------- memory
+
+def status_kib(field, path="/proc/self/status"):
+    """A "Field:   123 kB" line of a /proc file, in KiB; None where it is missing."""
+    try:
+        with open(path) as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def mem_available_bytes():
+    """MemAvailable of /proc/meminfo in bytes (None where the kernel does not say)."""
+    kib = status_kib("MemAvailable", "/proc/meminfo")
+    return None if kib is None else kib * 1024
+
+
+def reset_peak_rss():
+    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakRss:
+    """Peak RSS above the RSS at entry, in KiB (None where it cannot be reset).
+
+    `peak_kib` is the peak itself (VmHWM), the resident memory the kernel had to find.
+    """
+
+    def __enter__(self):
+        self.before = status_kib("VmRSS")
+        self.enabled = reset_peak_rss() and self.before is not None
+        self.kib = self.peak_kib = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.peak_kib = status_kib("VmHWM")
+            self.kib = max(0, self.peak_kib - self.before)
 
 
 # ---------------------------------------------------------------- environment

@@ -1,7 +1,9 @@
-"""All-reduce study: textbook ring and butterfly in Python against dist.all_reduce.
+"""All-reduce study: textbook ring, butterfly and tree in Python against dist.all_reduce.
 
     python scripts/bench_allreduce_study.py                      # workers 1 2 4 8
     python scripts/bench_allreduce_study.py --workers 16 32 --sizes 1000 100000
+    python scripts/bench_allreduce_study.py --workers 1 2 4 8 16 --sizes 1000 1000000 \
+        --methods tree ring ringreduce gloo                      # tree against ring
     torchrun --nproc_per_node 4 scripts/bench_allreduce_study.py # one world size
 
 Every method averages the same float32 vectors (rank r's vector: randn with a
@@ -9,6 +11,7 @@ seed of (size, r)); each row is one (workers, size, method):
 
     ring        torch_ringreduce.reference.ring_allreduce_ over isend/irecv
     butterfly   torch_ringreduce.reference.butterfly_allreduce_ (recursive doubling)
+    tree        torch_ringreduce.reference.tree_allreduce_ (binomial reduce + broadcast)
     gloo        dist.all_reduce(SUM) on a gloo group, then divide by n
     ringreduce  dist.all_reduce(SUM) on a ringreduce group, then divide by n
 
@@ -29,8 +32,13 @@ ringreduce). What is measured, per row:
   exact mean is computed in float64 from all ranks' float32 vectors (every
   rank regenerates them); `rel_err` divides it by max |mean|. `identical`
   says whether all ranks hold the same bits afterwards.
-- `model_bytes_sent`: payload bytes the busiest rank sends by the algorithm's
-  formula (references only; see the reference module's docstrings).
+- models, by the algorithm's formula (references only, null for the
+  collectives; see the reference module's docstrings), so that a plot can set
+  the measured times beside them:
+  `model_bytes_sent`: payload bytes the busiest rank sends (bandwidth term);
+  `model_latency_steps`: messages on the critical path (latency term):
+  ring 2 (n-1), tree 2 ceil(log2 n), butterfly log2(p) (+2 to fold and
+  unfold when n is not a power of two, p = 2^floor(log2 n)).
 
 Without torchrun, each --workers count is a fresh set of spawned ranks on this
 host. Rank 0 prints the table as it goes; the JSON (rows plus an environment
@@ -50,45 +58,12 @@ import torch.distributed as dist
 
 import _bench_util as bu
 
-METHODS = ["ring", "butterfly", "gloo", "ringreduce"]
+METHODS = ["ring", "butterfly", "tree", "gloo", "ringreduce"]
+REFERENCES = ("ring", "butterfly", "tree")  # torch_ringreduce.reference, in Python
 DEFAULT_JSON = os.path.join("results", "allreduce_study.json")
 HEADER = (f"{'workers':>7} {'size':>8} {'method':>10} {'median_us':>10} {'min_us':>10} "
           f"{'rss_first_KiB':>13} {'rss_peak_KiB':>12} {'max_abs_err':>11} "
           f"{'rel_err':>9} {'identical':>9}")
-
-
-# ------------------------------------------------------------ memory
-
-def _status_kib(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return None
-
-
-def reset_peak_rss():
-    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class PeakRss:
-    """Peak RSS above the RSS at entry, in KiB (None where it cannot be reset)."""
-
-    def __enter__(self):
-        self.before = _status_kib("VmRSS")
-        self.enabled = reset_peak_rss() and self.before is not None
-        self.kib = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.kib = max(0, _status_kib("VmHWM") - self.before)
 
 
 # ------------------------------------------------------------ methods
@@ -97,7 +72,7 @@ def make_method(name, groups, n):
     """fn(buffer) that averages `buffer` in place over the group."""
     from torch_ringreduce import reference
 
-    if name in ("ring", "butterfly"):
+    if name in REFERENCES:
         algorithm = getattr(reference, f"{name}_allreduce_")
         group = groups["p2p"]
         return lambda buf: algorithm(buf, group=group)
@@ -113,15 +88,38 @@ def model_bytes_sent(name, n, count, itemsize):
     """Payload bytes sent by the busiest rank, by the algorithm's formula.
 
     ring: 2 (n-1) messages of at most ceil(L/n) elements; butterfly: log2(p)
-    full vectors, plus one for the odd ranks that fold in a remainder rank.
+    full vectors, plus one for the odd ranks that fold in a remainder rank;
+    tree: ceil(log2 n) full vectors (rank 0 in the broadcast).
     """
-    if n == 1 or name not in ("ring", "butterfly"):
+    from torch_ringreduce.reference import tree_rounds
+
+    if n == 1 or name not in REFERENCES:
         return 0 if n == 1 else None
     if name == "ring":
         chunk = -(-count // n)  # the largest chunk
         return 2 * (n - 1) * chunk * itemsize
+    if name == "tree":
+        return tree_rounds(n) * count * itemsize
     p = 1 << (n.bit_length() - 1)
     return (int(math.log2(p)) + (1 if p != n else 0)) * count * itemsize
+
+
+def model_latency_steps(name, n):
+    """Messages on the critical path (one rank's send or receive after another).
+
+    ring: 2 (n-1); tree: 2 ceil(log2 n) (up the tree, then down);
+    butterfly: log2(p), plus the fold and the unfold when p != n.
+    """
+    from torch_ringreduce.reference import tree_rounds
+
+    if n == 1 or name not in REFERENCES:
+        return 0 if n == 1 else None
+    if name == "ring":
+        return 2 * (n - 1)
+    if name == "tree":
+        return 2 * tree_rounds(n)
+    p = 1 << (n.bit_length() - 1)
+    return int(math.log2(p)) + (2 if p != n else 0)
 
 
 # ------------------------------------------------------------ measuring
@@ -141,7 +139,7 @@ def timed_call(fn, buf, x):
     """(seconds, peak RSS KiB) of one call on a fresh copy of x."""
     buf.copy_(x)
     dist.barrier()  # default group: gloo, control traffic only
-    with PeakRss() as peak:
+    with bu.PeakRss() as peak:
         start = time.perf_counter()
         fn(buf)
         elapsed = time.perf_counter() - start
@@ -185,6 +183,7 @@ def measure(name, fn, x, mean, world, args, groups):
         "rel_err": err / scale if scale else None,
         "identical": identical,
         "model_bytes_sent": model_bytes_sent(name, world.size, x.numel(), x.element_size()),
+        "model_latency_steps": model_latency_steps(name, world.size),
     }
 
 
@@ -210,7 +209,7 @@ def create_groups(args, hint):
         groups["ringreduce"] = dist.new_group(backend="ringreduce")
     groups["p2p"] = groups[args.p2p_backend]
     for name in args.methods:
-        groups["names"][name] = args.p2p_backend if name in ("ring", "butterfly") else name
+        groups["names"][name] = args.p2p_backend if name in REFERENCES else name
     return groups
 
 
@@ -259,6 +258,11 @@ def write_json(parts, args):
                       "rss_first_kib: first call at that size; rss_peak_kib: timed calls",
             "accuracy": "max |result - float64 mean of the ranks' float32 vectors| over "
                         "elements and ranks; rel_err = max_abs_err / max |mean|",
+            "model_bytes_sent": "payload bytes the busiest rank sends, by the formula: ring "
+                                "2 (n-1) ceil(L/n) s, tree ceil(log2 n) L s, butterfly "
+                                "(log2 p [+1 when p != n]) L s",
+            "model_latency_steps": "messages on the critical path: ring 2 (n-1), tree "
+                                   "2 ceil(log2 n), butterfly log2 p [+2 when p != n]",
         },
         "rows": [row for p in parts for row in p["rows"]]}
     folder = os.path.dirname(args.json)

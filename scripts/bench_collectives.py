@@ -2,6 +2,8 @@
 
     python scripts/bench_collectives.py --nproc 4 --backends ringreduce gloo \\
         --ops allreduce allgather -b 4K -e 64M -f 4 --dtype float32 --json out.json
+    python scripts/bench_collectives.py --course-table            # the course table below
+    python scripts/bench_collectives.py --course-table --workers 2 4 --sizes 1M 10M 100M
 
 Without torchrun it spawns --nproc ranks on this host (FileStore rendezvous);
 under torchrun it takes RANK/WORLD_SIZE from the environment and ignores --nproc.
@@ -17,6 +19,12 @@ elements that differ, summed over ranks). Sizes are bytes of the whole buffer,
 as in nccl-tests: the output of allgather and gather, the input of
 reduce_scatter and scatter, each rank's buffer for alltoall. busbw factors are
 those of DESIGN.md. The collectives and their closed forms: _bench_ops.py.
+
+--course-table prints the table ML-systems courses report instead: all-reduce
+time per backend x --workers (default 2 4 6; each a fresh set of ranks) x
+--sizes (default 1M 10M 100M 1000M bytes per rank), each row skipped rather
+than run out of memory; one table and one JSON (default
+results/course_table_<time>.json). How it is measured: _course_table.py.
 
 Exit status: 0 all correct; 1 a row had wrong elements or a collective raised;
 2 a requested backend could not create a group (the other backends still run).
@@ -75,10 +83,10 @@ def check(op, group, enabled):
     return int(bu.agree_sum(op.wrong()))
 
 
-def base_row(op_name, op, backend, args):
-    return {"op": op_name, "backend": backend, "size_bytes": op.count * op.ctx.dtype.itemsize,
-            "count": op.count, "dtype": args.dtype, "world_size": op.ctx.n,
-            "redop": op.ctx.redop, "root": op.ctx.root, "device": args.device,
+def base_row(op_name, ctx, count, backend, args):
+    return {"op": op_name, "backend": backend, "size_bytes": count * ctx.dtype.itemsize,
+            "count": count, "dtype": args.dtype, "world_size": ctx.n,
+            "redop": ctx.redop, "root": ctx.root, "device": args.device,
             "time_us": None, "algbw_GBps": None, "busbw_GBps": None, "wrong": None,
             "error": None}
 
@@ -98,7 +106,7 @@ def attempt(row, fn, *fn_args):
         return None
 
 
-def measure_size(op_name, op, groups, failed, args):
+def measure_size(op_name, op, groups, failed, args, checker=check):
     """One row per backend for one size.
 
     Each backend warms up, then the timed repeats alternate between backends
@@ -106,7 +114,7 @@ def measure_size(op_name, op, groups, failed, args):
     hits one repeat of one backend, not a whole backend; the row reports the
     median repeat. Then each backend is checked on fresh inputs.
     """
-    rows = {b: base_row(op_name, op, b, args) for b in groups}
+    rows = {b: base_row(op_name, op.ctx, op.count, b, args) for b in groups}
     for b in failed:
         rows[b]["error"] = "skipped: raised at a smaller size"
     plans = {b: attempt(rows[b], plan, op, g, args) for b, g in groups.items()}
@@ -116,7 +124,7 @@ def measure_size(op_name, op, groups, failed, args):
             if plans[b]:
                 reps[b].append(attempt(rows[b], timed_loop, op, groups[b], plans[b][0]))
     for b, group in groups.items():
-        wrong = attempt(rows[b], check, op, group, not args.no_check)
+        wrong = attempt(rows[b], checker, op, group, not args.no_check)
         if not rows[b]["error"]:
             fill_row(rows[b], op, reps[b], plans[b], wrong)
     return list(rows.values())
@@ -289,10 +297,20 @@ def write_json(world, rows, failed, elapsed, args):
 
 
 def parse_args(argv=None):
+    import _course_table as course_mod  # not at the top: it imports this module
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default 2)")
-    p.add_argument("--backends", nargs="+", default=["ringreduce", "gloo"])
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="default ringreduce gloo (--course-table --device cuda: and nccl)")
+    p.add_argument("--course-table", action="store_true",
+                   help="all-reduce time per backend x --workers x --sizes, one table")
+    p.add_argument("--workers", type=int, nargs="+", default=None,
+                   help=f"--course-table: world sizes, each on fresh ranks "
+                        f"(default {' '.join(map(str, course_mod.COURSE_WORKERS))})")
+    p.add_argument("--sizes", type=bu.parse_size, nargs="+", default=None,
+                   help=f"--course-table: bytes per rank "
+                        f"(default {' '.join(course_mod.COURSE_SIZES)})")
     p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS), metavar="OP",
                    help=f"of {', '.join(OPS)} (default all)")
     p.add_argument("-b", "--minbytes", type=bu.parse_size, default=bu.parse_size("4K"))
@@ -306,10 +324,11 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--iters", type=int, default=0,
                    help="timed iterations per repeat (default: adapt to --target-time)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed repeats per row, alternating backends; the median is reported")
-    p.add_argument("--warmup", type=int, default=0,
-                   help="warm-up iterations (default: adapt, at most 5)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed repeats per row, alternating backends; the median is reported "
+                        "(default 3; --course-table: timed calls, their mean, default 5)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up iterations (default: adapt, at most 5; --course-table: 2)")
     p.add_argument("--target-time", type=float, default=0.3,
                    help="seconds of timed loops per row and backend, all repeats (default 0.3)")
     p.add_argument("--min-iters", type=int, default=3,
@@ -318,11 +337,24 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the result check")
     p.add_argument("--timeout", type=float, default=300, help="group timeout in seconds")
     p.add_argument("--json", default="auto",
-                   help="write all rows here (default results/bench_collectives_<n>r_<time>.json;"
-                        " '' to skip)")
+                   help="write all rows here (default results/bench_collectives_<n>r_<time>.json,"
+                        " with --course-table results/course_table_<time>.json; '' to skip)")
     args = p.parse_args(argv)
     args.nproc_given = args.nproc is not None
     args.nproc = args.nproc or 2
+    course = args.course_table
+    if not course and (args.workers or args.sizes):
+        p.error("--workers and --sizes go with --course-table (the sweep: --nproc, -b, -e, -f)")
+    if args.backends is None:
+        cuda = course and args.device == "cuda"
+        args.backends = ["ringreduce", "gloo"] + (["nccl"] if cuda else [])
+    if course:
+        args.ops, args.root = ["allreduce"], 0
+        args.workers = args.workers or course_mod.COURSE_WORKERS
+        args.sizes = args.sizes or [bu.parse_size(s) for s in course_mod.COURSE_SIZES]
+        args.iters = args.iters or 1  # a run is one call: the mean is over calls
+    args.repeats = (5 if course else 3) if args.repeats is None else args.repeats
+    args.warmup = (2 if course else 0) if args.warmup is None else args.warmup
     return args
 
 
@@ -336,6 +368,11 @@ def main():
         raise SystemExit(f"--root {args.root} is not a rank")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
+    if args.course_table:
+        if min(args.workers) < 1 or min(args.sizes) < bu.DTYPES[args.dtype].itemsize:
+            raise SystemExit("--workers must be >= 1 and --sizes at least one element")
+        import _course_table  # not at the top: it imports this module
+        return _course_table.course_main(args)
     return bu.run_ranks(worker, args, args.nproc)
 
 

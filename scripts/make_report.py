@@ -1,6 +1,6 @@
 """Every benchmark and training comparison into results/, then the notebooks, in place.
 
-    python scripts/make_report.py                  # the full report (about 30 min on 2 cores)
+    python scripts/make_report.py                  # the full report (about 40 min on 2 cores)
     python scripts/make_report.py --quick          # tiny sizes: checks the pipeline in ~2 min
     python scripts/make_report.py --only train notebooks --train-size 0   # all of CIFAR-100
     python scripts/make_report.py --device cuda --nproc 2                 # NCCL comparisons
@@ -9,7 +9,16 @@ Steps (--only picks some):
   bench      scripts/bench_collectives.py, 2 and 4 ranks, every collective, 4K..64M
              -> results/bench_collectives_np{2,4}.json
   syncbn     scripts/bench_syncbn.py -> results/bench_syncbn_<device>.json
-  study      scripts/bench_allreduce_study.py -> results/allreduce_study.json
+  course     scripts/bench_collectives.py --course-table: all-reduce time, backend x workers
+             {2, 4, 6} x {1M, 10M, 100M, 1000M} -> results/course_table_<device>.json
+  study      scripts/bench_allreduce_study.py (tree, ring, butterfly, gloo, ringreduce at
+             1-32 workers) -> results/allreduce_study.json
+  variants   scripts/bench_ddp_variants.py: naive, flat, overlapped, bucketed (1-1000 MB and
+             all) gradient sync, torch DDP and ours on a small Transformer LM, 2 ranks
+             -> results/ddp_variants_<device>.json
+  paradigms  scripts/paradigms.py under torchrun, 4 ranks: centralised, serverless,
+             parameter-server and FedAvg (iid, Dirichlet, shards) on sklearn's digits
+             -> results/paradigms.json
   train      scripts/ddp_cifar100.py under torchrun, one run per configuration below
              -> results/train_<configuration>_np<N>.json
   notebooks  scripts/run_notebooks.py: notebooks/*.ipynb executed in place on results/
@@ -36,7 +45,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
-STEPS = ["bench", "syncbn", "study", "train", "notebooks"]
+STEPS = ["bench", "course", "syncbn", "study", "variants", "paradigms", "train", "notebooks"]
 CPU_RUNS = {
     "ours": ["--backend", "ringreduce", "--ddp", "ours", "--sync-bn", "ours"],
     "torch-ddp": ["--backend", "ringreduce", "--ddp", "torch", "--sync-bn", "ours"],
@@ -66,16 +75,32 @@ def commands(args):
         cmds.append(("bench", f"collectives np{n}", [
             py, f"{SCRIPTS}/bench_collectives.py", "--nproc", str(n), "--backends", *backends,
             "--device", args.device, *sweep, "--json", f"{out}/bench_collectives_np{n}.json"]))
+    course = ["--workers", "2", "--sizes", "4K", "64K", "--repeats", "2", "--warmup", "1"] \
+        if quick else []
+    cmds.append(("course", "course table", [
+        py, f"{SCRIPTS}/bench_collectives.py", "--course-table", "--device", args.device,
+        *course, "--json", f"{out}/course_table_{args.device}.json"]))
     tiny = ["--nproc", "2", "--hidden", "8", "32", "--batch", "4", "--warmup", "1",
             "--iters", "2", "--repeats", "1"] if quick else []
     cmds.append(("syncbn", "syncbn", [
         py, f"{SCRIPTS}/bench_syncbn.py", "--device", args.device, *tiny,
         "--json", f"{out}/bench_syncbn_{args.device}.json"]))
     study = ["--workers", "1", "2", "--sizes", "100", "1000", "--repeats", "2"] if quick \
-        else ["--workers", *map(str, args.study_workers)]
+        else ["--workers", *map(str, args.study_workers), "--sizes", "1000", "100000", "1000000"]
     cmds.append(("study", "allreduce study", [
         py, f"{SCRIPTS}/bench_allreduce_study.py", *study,
         "--json", f"{out}/allreduce_study.json"]))
+    variants = ["--preset", "tiny", "--bucket-mb", "0.02", "all", "--warmup", "2", "--steps",
+                "2"] if quick else (["--preset", "medium"] if args.device == "cuda" else [])
+    cmds.append(("variants", "DDP variants", [
+        py, f"{SCRIPTS}/bench_ddp_variants.py", "--nproc", "2", "--device", args.device,
+        *variants, "--json", f"{out}/ddp_variants_{args.device}.json"]))
+    paradigms = ["--epochs", "2", "--rounds", "2", "--max-steps", "5", "--max-local-steps",
+                 "5"] if quick else ["--split", "iid", "dirichlet", "shards"]
+    cmds.append(("paradigms", "training paradigms", [
+        py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+        f"{SCRIPTS}/paradigms.py", *paradigms, "--no-progress",
+        "--json", f"{out}/paradigms.json"]))
     for name, flags in (CUDA_RUNS if args.device == "cuda" else CPU_RUNS).items():
         cmds.append(("train", f"train {name}", [
             py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",

@@ -22,7 +22,8 @@ SCRIPTS = os.path.join(ROOT, "scripts")
 TIMEOUT_S = 300
 # Figures each notebook shows when it has data.
 NOTEBOOKS = {"training_report.ipynb": 3, "syncbn_report.ipynb": 3,
-             "allreduce_study.ipynb": 3, "bandwidth_report.ipynb": 2}
+             "allreduce_study.ipynb": 4, "bandwidth_report.ipynb": 3,
+             "paradigms_report.ipynb": 3, "ddp_variants_report.ipynb": 2}
 
 for _name in ("nbformat", "nbclient", "ipykernel", "matplotlib"):
     pytest.importorskip(_name, reason=f"the notebook tests need {_name}: pip install "
@@ -38,9 +39,9 @@ def _run(args, cwd):
 
 
 def _benchmarks(folder, backend):
-    """The three benchmarks on the smallest configurations that still make curves."""
+    """Every benchmark and study on the smallest configurations that still make curves."""
     other = [] if backend == "gloo" else ["gloo"]
-    study = ["--methods", "ring", "butterfly", "gloo"] + \
+    study = ["--methods", "tree", "ring", "butterfly", "gloo"] + \
         (["--p2p-backend", "gloo"] if backend == "gloo" else ["ringreduce"])
     _run([os.path.join(SCRIPTS, "bench_syncbn.py"), "--nproc", "2", "--backend", backend,
           "--hidden", "8", "32", "--batch", "4", "--warmup", "1", "--iters", "2",
@@ -52,6 +53,15 @@ def _benchmarks(folder, backend):
           *other, "--ops", "allreduce", "allgather", "-b", "4K", "-e", "16K", "-f", "4",
           "--repeats", "1", "--target-time", "0.01",
           "--json", os.path.join(folder, "bench_collectives_np2.json")], folder)
+    _run([os.path.join(SCRIPTS, "bench_collectives.py"), "--course-table", "--workers", "2",
+          "--backends", backend, *other, "--sizes", "4K", "64K", "--repeats", "2", "--warmup",
+          "1", "--json", os.path.join(folder, "course_table_cpu.json")], folder)
+    _run([os.path.join(SCRIPTS, "bench_ddp_variants.py"), "--nproc", "2", "--backends",
+          backend, *other, "--preset", "tiny", "--bucket-mb", "0.02", "all", "--warmup", "2",
+          "--steps", "2", "--json", os.path.join(folder, "ddp_variants.json")], folder)
+    _run([os.path.join(SCRIPTS, "paradigms.py"), "--nproc", "3", "--backend", backend,
+          "--epochs", "2", "--rounds", "2", "--max-steps", "5", "--max-local-steps", "5",
+          "--no-progress", "--json", os.path.join(folder, "paradigms.json")], folder)
 
 
 @pytest.fixture(scope="module")

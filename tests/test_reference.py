@@ -1,9 +1,10 @@
-"""The textbook ring and butterfly all-reduce (torch_ringreduce.reference).
+"""The textbook ring, butterfly and tree all-reduce (torch_ringreduce.reference).
 
 Oracles: dist.all_reduce on the backend under test (then divided) for
 integer-valued data, where every summation order is exact, so the results
 must match bit for bit; an fp64 mean of the same float32 vectors for random
-data. Every rank must also end with the same bits.
+data. Every rank must also end with the same bits. The tree is also checked
+against gloo's all_reduce at world sizes that are not powers of two.
 """
 import json
 import os
@@ -14,13 +15,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_ringreduce.reference import butterfly_allreduce_, chunk_bounds, ring_allreduce_
+from torch_ringreduce.reference import (butterfly_allreduce_, chunk_bounds, ring_allreduce_,
+                                        tree_allreduce_, tree_rounds)
 
 STUDY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                      "scripts", "bench_allreduce_study.py")
 SIZES = [1, 2, 3, 4]
 LENGTHS = [1, 7, 1000, 10001]
-ALGORITHMS = {"ring": ring_allreduce_, "butterfly": butterfly_allreduce_}
+ALGORITHMS = {"ring": ring_allreduce_, "butterfly": butterfly_allreduce_,
+              "tree": tree_allreduce_}
+TREE_SIZES = [1, 2, 3, 4, 5]
+TREE_LENGTHS = [0, 1, 7, 10001]
 
 
 def _data(rank, length, exact, dtype=torch.float32, seed=0):
@@ -60,6 +65,33 @@ def sweep(ctx):
                 if err > 1e-5 * mean64.abs().max().item() + 1e-6:
                     failures.append(f"{label}: max err vs fp64 mean {err}")
                 digests.append((label, got.numpy().tobytes()))
+    return failures, digests
+
+
+def tree_vs_gloo(ctx):
+    """Remote: the tree against gloo's all_reduce (then divided) and an fp64 mean."""
+    n, rank = ctx.world_size, ctx.rank
+    failures, digests = [], []
+    for length in TREE_LENGTHS:
+        for exact in (True, False):
+            x = _data(rank, length, exact, seed=1)
+            want = x.clone()
+            dist.all_reduce(want, group=ctx.oracle)
+            want.div_(n)
+            mean64 = torch.stack([_data(r, length, exact, seed=1).double()
+                                  for r in range(n)]).mean(0)
+            got = x.clone()
+            tree_allreduce_(got)
+            label = f"tree n={n} length={length} exact={exact}"
+            try:  # every rank goes on: a raise here would leave the others waiting
+                if exact:
+                    assert torch.equal(got, want), f"max err {_max_err(got, want)}"
+                torch.testing.assert_close(got, want, msg=lambda m: f"vs gloo: {m}")
+                torch.testing.assert_close(got.double(), mean64, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"vs fp64 mean: {m}")
+            except AssertionError as err:
+                failures.append(f"{label}: {err}")
+            digests.append((label, got.numpy().tobytes()))
     return failures, digests
 
 
@@ -112,6 +144,23 @@ def test_reference_allreduce(worlds, world_size):
     assert len(labels) == len(LENGTHS) * 2 * len(ALGORITHMS)
 
 
+@pytest.mark.parametrize("world_size", TREE_SIZES)
+def test_tree_matches_gloo(worlds, world_size):
+    results = worlds.run(world_size, tree_vs_gloo, timeout=90)
+    failures = [f"rank {r}: {f}" for r, (fails, _) in enumerate(results) for f in fails]
+    assert not failures, "\n".join(failures[:20])
+    for r, (_, digests) in enumerate(results[1:], start=1):
+        for (label, bits), (_, bits0) in zip(digests, results[0][1]):
+            assert bits == bits0, f"{label}: rank {r} differs from rank 0"
+    assert len(results[0][1]) == len(TREE_LENGTHS) * 2
+
+
+@pytest.mark.parametrize("n, rounds", [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3),
+                                       (9, 4), (16, 4)])
+def test_tree_rounds(n, rounds):
+    assert tree_rounds(n) == rounds
+
+
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_reference_shapes_and_groups(worlds, world_size):
     results = worlds.run(world_size, shapes, timeout=60)
@@ -137,7 +186,8 @@ def test_reference_rejects_integer_tensors(fn):
 def test_study_script(backend, tmp_path):
     """scripts/bench_allreduce_study.py end to end on a tiny configuration."""
     out = tmp_path / "study.json"
-    methods = ["ring", "butterfly", "gloo"] + (["ringreduce"] if "ringreduce" in backend else [])
+    methods = ["ring", "butterfly", "tree", "gloo"] + \
+        (["ringreduce"] if "ringreduce" in backend else [])
     cmd = [sys.executable, STUDY, "--workers", "1", "3", "--sizes", "7", "1000",
            "--repeats", "2", "--warmup", "1", "--methods", *methods,
            "--p2p-backend", "ringreduce" if "ringreduce" in backend else "gloo",
@@ -155,4 +205,9 @@ def test_study_script(backend, tmp_path):
     env = doc["environment"]
     assert env["world_size"] == [1, 3] and env["torch"] == torch.__version__
     assert {"hostname", "cpu_count", "date"} <= env.keys()
-    assert "median_us" in proc.stdout and "butterfly" in proc.stdout
+    assert "median_us" in proc.stdout and "butterfly" in proc.stdout and "tree" in proc.stdout
+    tree = {r["workers"]: r for r in rows if r["method"] == "tree" and r["size"] == 1000}
+    ring = {r["workers"]: r for r in rows if r["method"] == "ring" and r["size"] == 1000}
+    assert tree[3]["model_latency_steps"] == 4 and ring[3]["model_latency_steps"] == 4
+    assert tree[3]["model_bytes_sent"] == 2 * 1000 * 4  # ceil(log2 3) full vectors
+    assert tree[1]["model_latency_steps"] == 0 and tree[1]["model_bytes_sent"] == 0

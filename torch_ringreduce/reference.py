@@ -1,6 +1,6 @@
 """Textbook all-reduce algorithms in Python over `dist.isend` / `dist.irecv`.
 
-Both functions average a floating-point tensor in place across the ranks of a
+All three functions average a floating-point tensor in place across the ranks of a
 group: on return every rank holds sum_over_ranks(tensor) / world_size, and the
 results are bitwise identical on all ranks. They are references to read and to
 compare with (`scripts/bench_allreduce_study.py`), not fast paths: every step
@@ -12,11 +12,14 @@ bytes. "Sent per rank" counts payload bytes only (received is the same).
     ring_allreduce_       2 (n-1) steps, sends 2 (n-1)/n * L*s       (bandwidth optimal)
     butterfly_allreduce_  log2(p) rounds, sends log2(p) * L*s        (latency optimal)
                           (+ L*s for the 2 (n-p) ranks folded in, p = 2^floor(log2 n))
+    tree_allreduce_       2 ceil(log2 n) steps, sends at most ceil(log2 n) * L*s
+                          (binomial reduce to rank 0, then binomial broadcast)
 """
 import torch
 import torch.distributed as dist
 
-__all__ = ["ring_allreduce_", "butterfly_allreduce_", "chunk_bounds"]
+__all__ = ["ring_allreduce_", "butterfly_allreduce_", "tree_allreduce_", "chunk_bounds",
+           "tree_rounds"]
 
 
 def _check(tensor, name):
@@ -169,4 +172,57 @@ def butterfly_allreduce_(tensor, group=None):
 
     if r < 2 * m:  # unfold: hand the result back to the even neighbour
         _exchange(flat, r - 1, None, None, group)
+    return _finish(tensor, flat, n)
+
+
+def tree_rounds(n):
+    """ceil(log2 n): the rounds of a binomial tree over n ranks (0 for n <= 1)."""
+    return (n - 1).bit_length() if n > 1 else 0
+
+
+def tree_allreduce_(tensor, group=None):
+    """Average `tensor` in place over the group: binomial-tree reduce, then broadcast.
+
+    Let R = ceil(log2 n) and d = 2^j the distance of round j (j = 0 .. R-1).
+
+    1. Reduce to rank 0, rounds j = 0 .. R-1: a rank whose lowest set bit is
+       d sends its whole partial sum to r - d and is done with this phase; a
+       rank with no bit set below 2d receives from r + d (when r + d < n)
+       and adds it. After round R-1 rank 0 holds the full sum.
+    2. Broadcast from rank 0, the same tree backwards, rounds j = R-1 .. 0:
+       a rank that holds the result sends it whole to r + d (when r + d < n);
+       rank r receives it from its parent r - (lowest set bit of r) in place.
+    3. Divide by n.
+
+    Critical path: R full vectors up (rank 0 receives one per round) and R
+    down (rank 0 sends one per round), 2R steps against the ring's 2 (n-1).
+    Bytes sent by the busiest rank: R * L*s (rank 0 in the broadcast; rank
+    2^(R-1) sends one vector up and R-1 down); received, the same. Every rank
+    sends at most R and at least 1 vector (n > 1). Extra memory: one
+    full-size receive buffer on the ranks that receive in the reduce. Any n
+    works (children beyond n - 1 are skipped). Rank 0 alone sums and copies
+    its sum to all, so the result is bitwise identical on all ranks.
+    """
+    _check(tensor, "tree_allreduce_")
+    r, n = _rank_and_size(group, "tree_allreduce_")
+    flat = _flat_work(tensor)
+    if n == 1 or flat.numel() == 0:
+        return _finish(tensor, flat, n)
+    lowest = r & -r if r else 1 << tree_rounds(n)  # rank 0 is the root of every round
+    scratch = torch.empty_like(flat) if r % 2 == 0 and r + 1 < n else None
+
+    distance = 1
+    while distance < lowest and r + distance < n:  # reduce: children r + 1, r + 2, r + 4 ..
+        _exchange(None, None, scratch, r + distance, group)
+        flat.add_(scratch)
+        distance <<= 1
+    if r:
+        _exchange(flat, r - lowest, None, None, group)  # the partial sum up
+        _exchange(None, None, flat, r - lowest, group)  # the result down
+
+    distance = lowest >> 1
+    while distance:  # broadcast: the same children, farthest first
+        if r + distance < n:
+            _exchange(flat, r + distance, None, None, group)
+        distance >>= 1
     return _finish(tensor, flat, n)
