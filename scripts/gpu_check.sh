@@ -17,6 +17,11 @@
 #            2 and 4 ranks, 4 KiB to 256 MiB
 #   train    ddp_cifar100.py --device cuda for 2 epochs (synthetic data) on
 #            ringreduce and on gloo: samples/s, peak memory, accuracy
+#   studies  the course studies on CUDA tensors: bench_ddp_variants.py (every
+#            gradient-sync variant, ringreduce, gloo and nccl) and the course table
+#            (bench_collectives.py --course-table, 2 and 4 workers). nccl needs
+#            NCCL 2.30+ for two ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1 and
+#            the nvidia-nccl-cu13 wheel); with an older NCCL its columns say why not.
 # Each step's output goes to the terminal and to $OUT/gpu_check.log; JSON next to it.
 # Every step fits the device tool's 10-minute limit when run alone; all of them
 # together take about 12 minutes on an H100 machine (16 cores), so run them in
@@ -68,7 +73,8 @@ step "$PY" -c "from torch_ringreduce import _C; from torch_ringreduce.sync_batch
 step bash -c 'readelf -d torch_ringreduce/_C*.so | grep -q "NEEDED.*libstdc++" || { echo "torch_ringreduce/_C: libstdc++ is linked statically (compiler $CXX): it crashes at run time; set RINGREDUCE_CXX to the system g++"; exit 1; }' || exit 1
 
 want tests && step "$PY" -m pytest -q -m cuda -rs -p no:cacheprovider \
-  tests/test_cuda_collectives.py tests/test_sync_batchnorm.py tests/test_cuda_build.py
+  tests/test_cuda_collectives.py tests/test_sync_batchnorm.py tests/test_cuda_build.py \
+  tests/test_traffic.py
 
 want syncbn && for backend in ringreduce gloo; do
   step "$PY" scripts/bench_syncbn.py --device cuda --backend "$backend" --nproc 2 4 \
@@ -88,5 +94,11 @@ want train && for backend in ringreduce gloo; do
     --json "$OUT_DIR/ddp_cifar100_cuda_$backend.json"
 done
 
+want studies && {
+  step "$PY" scripts/bench_ddp_variants.py --nproc 2 --device cuda --preset small \
+    --json "$OUT_DIR/ddp_variants_cuda.json"
+  step "$PY" scripts/bench_collectives.py --course-table --device cuda --workers 2 4 \
+    --json "$OUT_DIR/course_table_cuda.json"
+}
 echo "gpu_check: exit $status (log: $LOG)"
 exit $status
