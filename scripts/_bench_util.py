@@ -9,6 +9,8 @@ creates the default process group itself with `init_default_group`.
 """
 import dataclasses
 import datetime
+import functools
+import importlib
 import multiprocessing
 import os
 import platform
@@ -44,23 +46,25 @@ class World:
     size: int
     local_rank: int
     store_path: str = ""  # empty under torchrun: rendezvous through env://
+    store: object = None  # a Store met some other way (mpirun: _bench_mpi.py)
+    launched_by: str = ""  # else "spawn" with a store path, "torchrun" without
 
     @property
     def launcher(self):
-        return "spawn" if self.store_path else "torchrun"
+        return self.launched_by or ("spawn" if self.store_path else "torchrun")
 
 
 def import_ringreduce():
     """Import torch_ringreduce (registers the backend); return an error text or ""."""
     try:
-        import torch_ringreduce  # noqa: F401
+        importlib.import_module("torch_ringreduce")
         return ""
     except ImportError:
         pass
     if _REPO_ROOT not in sys.path:  # not installed: try the source tree
         sys.path.append(_REPO_ROOT)
     try:
-        import torch_ringreduce  # noqa: F401,F811
+        importlib.import_module("torch_ringreduce")
         return ""
     except ImportError as err:
         return f"cannot import torch_ringreduce ({err})"
@@ -155,8 +159,8 @@ def init_default_group(world, backend, timeout_s, device="cpu"):
     if device == "cuda":
         torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=timeout_s)
-    if world.store_path:
-        store = dist.FileStore(world.store_path, world.size)
+    if world.store_path or world.store is not None:
+        store = world.store or dist.FileStore(world.store_path, world.size)
         dist.init_process_group(backend, store=store, rank=world.rank,
                                 world_size=world.size, timeout=timeout)
     else:
@@ -172,6 +176,16 @@ def tensor_device(device):
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def bind(op, group):
+    """One call of `op` on `group` with no arguments, resolved before a timed loop.
+
+    `group` is a torch.distributed group, or a stand-in with `bind(op)` (the mpi
+    backend, a one-rank group's non-members), so every backend runs the same loop.
+    """
+    binder = getattr(group, "bind", None)
+    return binder(op) if binder else functools.partial(op.run, group)
 
 
 def short_error(err, limit=300):

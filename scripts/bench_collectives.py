@@ -20,6 +20,10 @@ as in nccl-tests: the output of allgather and gather, the input of
 reduce_scatter and scatter, each rank's buffer for alltoall. busbw factors are
 those of DESIGN.md. The collectives and their closed forms: _bench_ops.py.
 
+--backends mpi: Open MPI through mpi4py, the script re-run under mpirun (_bench_mpi.py).
+--busy K|cores: K CPU-bound processes beside the run; --floor (a one-rank group) and
+--memcpy (one core's copy): reference points measured in the same run (_bench_load.py).
+
 --course-table prints the table ML-systems courses report instead: all-reduce
 time per backend x --workers (default 2 4 6; each a fresh set of ranks) x
 --sizes (default 1M 10M 100M 1000M bytes per rank), each row skipped rather
@@ -40,6 +44,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import _bench_load as bl
+import _bench_mpi as bm
 import _bench_util as bu
 from _bench_ops import OPS, REDOPS, Ctx
 
@@ -50,10 +56,11 @@ RATIO_W = 16
 
 def timed_loop(op, group, iters):
     """Seconds per iteration on the slowest rank (a collective result)."""
+    call = bu.bind(op, group)
     dist.barrier()  # default group: gloo, control traffic only
     start = time.perf_counter()
     for _ in range(iters):
-        op.run(group)
+        call()
     bu.synchronize(op.ctx.device)
     return bu.agree_max((time.perf_counter() - start) / iters)
 
@@ -78,7 +85,7 @@ def check(op, group, enabled):
     if not enabled:
         return None
     op.fill_check()
-    op.run(group)
+    bu.bind(op, group)()
     bu.synchronize(op.ctx.device)
     return int(bu.agree_sum(op.wrong()))
 
@@ -146,9 +153,13 @@ def create_groups(backends, ctx, args, hint):
     timeout = datetime.timedelta(seconds=args.timeout)
     for name in backends:
         try:
-            group = dist.new_group(backend=name, timeout=timeout)
             probe = torch.ones(1, device=ctx.device)
-            dist.all_reduce(probe, group=group)
+            if name == bm.NAME:
+                group = bm.new_group(ctx)
+                group.probe(probe)
+            else:
+                group = dist.new_group(backend=name, timeout=timeout)
+                dist.all_reduce(probe, group=group)
             if probe.item() != ctx.n:
                 raise RuntimeError(f"probe all_reduce gave {probe.item()}, expected {ctx.n}")
             groups[name] = group
@@ -221,7 +232,7 @@ def summary(rows, backends):
 
 # ------------------------------------------------------------ driver
 
-def sweep_op(op_name, ctx, groups, sizes, args, progress):
+def sweep_op(op_name, ctx, groups, sizes, args, progress, refs):
     rows, failed = [], set()
     cls, itemsize = OPS[op_name], ctx.dtype.itemsize
     for size in sizes:
@@ -238,56 +249,62 @@ def sweep_op(op_name, ctx, groups, sizes, args, progress):
                 progress.write(f"# {op_name} on {row['backend']} raised: {row['error']}")
         progress.update(len(line))
         progress.write(format_line(line))
+        for text in refs.after_row(op_name, op, line, measure_size, args):
+            progress.write(text)
         rows += line
         del op  # free this size's buffers before the next size allocates its own
     return rows
 
 
 def worker(world, args):
-    hint = bu.import_ringreduce() if "ringreduce" in args.backends else ""
+    hint = bu.import_ringreduce() if "ringreduce" in (*args.backends, args.floor) else ""
     bu.init_default_group(world, "gloo", args.timeout, args.device)
     ctx = Ctx(world.rank, world.size, args.root, bu.DTYPES[args.dtype],
               bu.tensor_device(args.device), args.redop)
-    if world.launcher == "torchrun" and args.nproc_given and args.nproc != world.size:
-        log(ctx, f"# under torchrun: world size {world.size}, --nproc ignored")
+    if world.launcher != "spawn" and args.nproc_given and args.nproc != world.size:
+        log(ctx, f"# under {world.launcher}: world size {world.size}, --nproc ignored")
     groups, failed = create_groups(args.backends, ctx, args, hint)
+    refs = bl.References(args, ctx, datetime.timedelta(seconds=args.timeout))  # prints
     sizes = bu.size_sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     total = len(args.ops) * len(sizes) * len(groups)
     progress = bu.Progress(total, "bench", enabled=world.rank == 0)
     start, rows = time.perf_counter(), []
     for op_name in args.ops if groups else []:
         progress.write("\n" + table_header(op_name, ctx, list(groups), args))
-        op_rows = sweep_op(op_name, ctx, groups, sizes, args, progress)
+        op_rows = sweep_op(op_name, ctx, groups, sizes, args, progress, refs)
         progress.write(summary(op_rows, list(groups)))
+        for text in refs.after_table(op_rows):
+            progress.write(text)
         rows += op_rows
     progress.close()
     elapsed = time.perf_counter() - start
-    status = finish(world, ctx, rows, failed, elapsed, args)
+    status = finish(world, ctx, rows, failed, elapsed, args, refs)
     dist.barrier()  # no rank tears down its connections while a peer still uses them
     dist.destroy_process_group()
     return status
 
 
-def finish(world, ctx, rows, failed, elapsed, args):
+def finish(world, ctx, rows, failed, elapsed, args, refs):
     wrong = sum(r["wrong"] or 0 for r in rows)
     errors = sum(1 for r in rows if r.get("error"))
     if world.rank == 0:
         print(f"\n# {len(rows)} rows in {elapsed:.1f} s; wrong elements: {wrong}; "
               f"rows with errors: {errors}; backends unavailable: {sorted(failed) or 'none'}")
-        write_json(world, rows, failed, elapsed, args)
+        write_json(world, rows, failed, elapsed, args, refs)
     if wrong or errors:
         return 1
     return 2 if failed else 0
 
 
-def write_json(world, rows, failed, elapsed, args):
+def write_json(world, rows, failed, elapsed, args, refs):
     if not args.json:
         return
     if args.json == "auto":
         stamp = time.strftime("%Y%m%d-%H%M%S")
         args.json = os.path.join("results", f"bench_collectives_{world.size}r_{stamp}.json")
-    doc = {"environment": bu.environment(world), "args": vars(args),
-           "unavailable_backends": failed, "elapsed_s": elapsed, "rows": rows}
+    env = {**bu.environment(world), "busy": bl.busy_environment(args), **bm.environment()}
+    doc = {"environment": env, "args": vars(args), "unavailable_backends": failed,
+           "elapsed_s": elapsed, "reference": refs.to_json(), "rows": rows}
     folder = os.path.dirname(args.json)
     if folder:
         os.makedirs(folder, exist_ok=True)
@@ -336,6 +353,7 @@ def parse_args(argv=None):
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--no-check", action="store_true", help="skip the result check")
     p.add_argument("--timeout", type=float, default=300, help="group timeout in seconds")
+    bl.add_arguments(p)  # --busy, --floor, --memcpy
     p.add_argument("--json", default="auto",
                    help="write all rows here (default results/bench_collectives_<n>r_<time>.json,"
                         " with --course-table results/course_table_<time>.json; '' to skip)")
@@ -368,12 +386,14 @@ def main():
         raise SystemExit(f"--root {args.root} is not a rank")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    if args.course_table:
-        if min(args.workers) < 1 or min(args.sizes) < bu.DTYPES[args.dtype].itemsize:
-            raise SystemExit("--workers must be >= 1 and --sizes at least one element")
-        import _course_table  # not at the top: it imports this module
-        return _course_table.course_main(args)
-    return bu.run_ranks(worker, args, args.nproc)
+    if args.course_table and (min(args.workers) < 1
+                              or min(args.sizes) < bu.DTYPES[args.dtype].itemsize):
+        raise SystemExit("--workers must be >= 1 and --sizes at least one element")
+    with bl.Burners(args.busy):  # stopped on any way out, Ctrl-C included
+        if args.course_table:
+            import _course_table  # not at the top: it imports this module
+            return _course_table.course_main(args)
+        return bm.run(worker, args, os.path.abspath(__file__))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,259 @@
+"""The machine around a bench_collectives.py run: load beside it, reference points.
+
+--busy K (or `cores`: one per core this process may run on) starts K CPU-bound
+burner processes before the measurement and stops them after it, also on an
+error or Ctrl-C: each a bare Python interpreter spinning on integer arithmetic,
+asking the kernel to end it when its parent goes (PR_SET_PDEATHSIG), so not
+even a killed benchmark leaves them behind. Exactly one process starts them:
+the one the user ran (before it spawns ranks or starts mpirun), or, under
+torchrun or a user's own mpirun, local rank 0; the others find BUSY_ENV set or
+are not local rank 0. The JSON's environment records the count.
+
+--floor [BACKEND] (default ringreduce) measures dist.all_reduce of the sweep's
+smallest size on a one-rank group of BACKEND (rank 0 alone; the other ranks
+only take part in the timing's barrier and maximum) with the sweep's own
+measure_size, right after the smallest all-reduce row: the cost of the call
+itself, the floor the rows at that size are compared with ("over the floor").
+
+--memcpy measures one core's copy bandwidth in the same run, before the
+sweep: torch's copy_ between two float32 buffers of the sweep's largest size
+with torch.set_num_threads(1), on rank 0 while the others wait in a barrier,
+best of MEMCPY_REPEATS; bytes copied per second (each byte is read once and
+written once). Every row gets busbw / memcpy; the table's footer gives it at
+the largest size.
+"""
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import _bench_util as bu
+
+BUSY_ENV = "RINGREDUCE_BENCH_BUSY"  # set while burners run: their count
+MEMCPY_REPEATS = 7
+_STOP_GRACE_S = 5.0
+# PR_SET_PDEATHSIG is 1; then if the parent is already gone, stop at once.
+_BURNER = """
+import ctypes, os, signal
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != {parent}:
+    raise SystemExit(0)
+x = 1
+while True:
+    x = (x * 1103515245 + 12345) & 0x7fffffff
+"""
+
+
+def add_arguments(parser):
+    parser.add_argument("--busy", type=parse_busy, default=0, metavar="K|cores",
+                        help="K CPU-bound processes beside the measurement "
+                             "('cores': one per core)")
+    parser.add_argument("--floor", nargs="?", const="ringreduce", default=None,
+                        metavar="BACKEND", help="also time the smallest all-reduce on a "
+                        "one-rank group of BACKEND (default ringreduce)")
+    parser.add_argument("--memcpy", action="store_true",
+                        help="also measure one core's copy bandwidth; busbw / memcpy per row")
+
+
+# ---------------------------------------------------------------- --busy
+
+def parse_busy(text):
+    """'cores' -> the cores this process may run on; else a count >= 0."""
+    if text == "cores":
+        return cores()
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"a count >= 0 or 'cores', not {text!r}")
+    return int(text)
+
+
+def cores():
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _local_rank():
+    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+class Burners:
+    """`with Burners(k):` k CPU-bound processes for the body; stopped however it ends.
+
+    Starts none where an enclosing process already runs them (BUSY_ENV) or
+    where this is not local rank 0. `pids` are the burners this one started.
+    """
+
+    def __init__(self, count):
+        self.count, self.procs = count, []
+
+    @property
+    def pids(self):
+        return [p.pid for p in self.procs]
+
+    def __enter__(self):
+        if self.count <= 0 or BUSY_ENV in os.environ or _local_rank() != 0:
+            return self
+        code = _BURNER.format(parent=os.getpid())
+        try:
+            for _ in range(self.count):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-S", "-c", code], stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        except BaseException:
+            self.stop()
+            raise
+        os.environ[BUSY_ENV] = str(self.count)  # inherited by ranks and mpirun
+        print(f"# busy: {bu.plural(self.count, 'CPU-bound burner')} beside the "
+              f"benchmark ({bu.plural(cores(), 'core')} here)", flush=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self):
+        """Stop every burner (SIGTERM, then SIGKILL after a grace period); reap them."""
+        if not self.procs:
+            return
+        died = [p.pid for p in self.procs if p.poll() is not None]
+        if died:
+            print(f"# busy: warning: burner(s) {died} had ended before the measurement "
+                  f"did; the load was lighter than asked", file=sys.stderr, flush=True)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []
+        os.environ.pop(BUSY_ENV, None)
+
+
+def busy_environment(args):
+    """The JSON's record of the load beside the measurement."""
+    count = int(os.environ.get(BUSY_ENV, 0)) or getattr(args, "busy", 0)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None  # others' jobs show here
+    return {"burners": count, "cores": cores(), "loadavg_1_5_15min_at_end": load,
+            "kind": "python integer-arithmetic loop, one process each" if count else None}
+
+
+# ---------------------------------------------------------------- reference points
+
+class SoloGroup:
+    """A one-rank group of rank 0 where the sweep expects a group of all ranks.
+
+    On the other ranks the bound call does nothing: they only take part in
+    the timing loop's barrier and maximum, and their buffers stay as filled.
+    """
+
+    def __init__(self, backend, timeout):
+        self.backend = backend
+        self.group = dist.new_group(ranks=[0], backend=backend, timeout=timeout)
+        self.member = dist.get_rank() == 0
+
+    def bind(self, op):
+        if self.member:
+            return lambda: op.run(self.group)
+        return lambda: None
+
+
+def memcpy_bandwidth(nbytes, repeats=MEMCPY_REPEATS):
+    """One core's copy_ bandwidth in bytes/s over float32 buffers of nbytes: best of repeats."""
+    count = max(1, nbytes // 4)
+    src, dst = torch.ones(count), torch.empty(count)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dst.copy_(src)  # first touch: page faults are no part of a copy's cost
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return {"bytes": count * 4, "best_s": min(times), "GBps": count * 4 / min(times) / 1e9,
+            "median_GBps": count * 4 / sorted(times)[len(times) // 2] / 1e9,
+            "repeats": repeats, "threads": 1, "how": "torch.Tensor.copy_, float32"}
+
+
+class References:
+    """The floor and the memcpy bandwidth of one run: measured, printed, kept for the JSON."""
+
+    def __init__(self, args, ctx, timeout):
+        self.solo = self.floor = self.memcpy = None
+        self.errors = {}
+        if args.floor:
+            try:
+                self.solo = SoloGroup(args.floor, timeout)
+            except Exception as err:
+                self.errors["floor"] = bu.short_error(err)
+            if bu.agree_sum("floor" in self.errors):  # measured on all ranks or none
+                self.solo = None
+                self.errors.setdefault("floor", "failed on another rank")
+        if args.memcpy:
+            if ctx.rank == 0:
+                self.memcpy = memcpy_bandwidth(args.maxbytes)
+            dist.barrier()  # the others wait here, off the cores, while rank 0 copies
+        for line in self.head() if ctx.rank == 0 else []:
+            print(line, flush=True)
+
+    def head(self):
+        lines = [f"# floor: could not create the one-rank group: {self.errors['floor']}"
+                 ] if "floor" in self.errors else []
+        if self.memcpy:
+            m = self.memcpy
+            lines.append(f"# memcpy, one core: {m['GBps']:.2f} GB/s (copy_ of "
+                         f"{bu.size_label(m['bytes'])} float32, best of {m['repeats']})")
+        return lines
+
+    def after_row(self, op_name, op, rows, measure, args):
+        """Lines after a row: the floor, measured after the first all-reduce row."""
+        if self.solo is None or op_name != "allreduce" or self.floor is not None:
+            return []
+        solo_ctx = dataclasses.replace(op.ctx, rank=0, n=1, root=0)
+        name = f"{self.solo.backend} 1 rank"
+        self.floor = measure(op_name, type(op)(solo_ctx, op.count), {name: self.solo},
+                             set(), args)[0]
+        head = (f"# floor: dist.all_reduce of {self.floor['size_bytes']} B on a one-rank "
+                f"{self.solo.backend} group:")
+        if self.floor["error"] or self.floor["wrong"]:
+            return [f"{head} {self.floor['error'] or 'wrong elements'}"]
+        floor_us, over = self.floor["time_us"], []
+        for row in rows:
+            if row["time_us"] is not None:
+                row.update(floor_us=floor_us, over_floor_us=row["time_us"] - floor_us)
+                over.append(f"{row['backend']} {row['over_floor_us']:+.1f}")
+        return [f"{head} {floor_us:.1f} us; over it (us): {', '.join(over)}"]
+
+    def after_table(self, rows):
+        """busbw / memcpy on every row; the footer line at the largest size."""
+        if not self.memcpy or not rows:
+            return []
+        bandwidth = self.memcpy["GBps"]
+        for row in rows:
+            if row["busbw_GBps"] is not None:
+                row["busbw_per_memcpy"] = row["busbw_GBps"] / bandwidth
+        largest = max(r["size_bytes"] for r in rows)
+        parts = [f"{r['backend']} {r['busbw_per_memcpy']:.2f}" for r in rows
+                 if r["size_bytes"] == largest and "busbw_per_memcpy" in r]
+        return [f"# busbw / memcpy ({bandwidth:.2f} GB/s) at {bu.size_label(largest)}: "
+                f"{', '.join(parts) or 'n/a'}"]
+
+    def to_json(self):
+        return {"floor": self.floor, "memcpy": self.memcpy, "errors": self.errors}
