@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 import _bench_util as bu
+from torch_ringreduce._env import BENCH_BUSY
 
-BUSY_ENV = "RINGREDUCE_BENCH_BUSY"  # set while burners run: their count
+BUSY_ENV = BENCH_BUSY.name  # set while burners run: their count
 MEMCPY_REPEATS = 7
 _STOP_GRACE_S = 5.0
 # PR_SET_PDEATHSIG is 1; then if the parent is already gone, stop at once.

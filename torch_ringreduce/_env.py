@@ -23,7 +23,10 @@ SYNCBN_REFERENCE = EnvVar("RINGREDUCE_SYNCBN_REFERENCE", "0",
 RESULTS = EnvVar("RINGREDUCE_RESULTS", "`results/`", "the folder the notebooks read")
 PYTHON_VARIABLES = (SYNCBN_REFERENCE, RESULTS)
 
-# Read when building (setup.py, the Makefile) and by scripts/gpu_check.sh.
+BENCH_BUSY = EnvVar("RINGREDUCE_BENCH_BUSY", "unset",
+                    "set by `bench_collectives.py --busy` to the number of CPU-bound processes "
+                    "it runs, so its ranks and mpirun start no more", True)
+# Read when building (setup.py, the Makefile), by scripts/gpu_check.sh and by the benchmarks.
 BUILD_VARIABLES = (
     EnvVar("RINGREDUCE_CUDA", "CUDA when torch has it and nvcc is found",
            "`1` / `0` forces the CUDA / CPU build of the extension", True),
@@ -32,6 +35,7 @@ BUILD_VARIABLES = (
     EnvVar("RINGREDUCE_METADATA_ONLY", "0",
            "`1` makes setup.py install the package without compiling (the Makefile's "
            "editable install after its in-place build)", True),
+    BENCH_BUSY,
 )
 
 # Names that look like variables but are compile-time macros.

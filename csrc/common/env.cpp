@@ -23,6 +23,11 @@ int64_t envInt(const EnvVar& var, int64_t fallback) {
   return parsed;
 }
 
+bool envIsSet(const EnvVar& var) {
+  const char* v = std::getenv(var.name);
+  return v != nullptr && *v != '\0';
+}
+
 bool debugEnabled() {
   static const bool enabled = envInt(kEnvDebug, 0) != 0;
   return enabled;

@@ -27,18 +27,21 @@ inline constexpr EnvVar kEnvSegmentBytes{
     "RINGREDUCE_SEGMENT_BYTES", "262144",
     "largest message of a ring step (pipelining / scratch size)", true};
 constexpr int64_t kDefaultSegmentBytes = 256 << 10;
-// Busy-poll budget of a waiting rank: kDefaultSpinUs when the world size is at
-// most the number of cores here, else 0.
+// The waiting budgets (transport/wait_policy.h): unset, they adapt to the
+// machine; set, they are fixed.
 inline constexpr EnvVar kEnvSpinUs{
-    "RINGREDUCE_SPIN_US", "50 when the world size is at most the cores here, else 0",
-    "microseconds a waiting rank busy-polls before sleeping in `poll()`", true};
-constexpr int64_t kDefaultSpinUs = 50;
-// Then the poll-and-sched_yield() budget: kDefaultYieldUs when the world size
-// is above the number of cores (the rank it waits for may need this core).
+    "RINGREDUCE_SPIN_US",
+    "50 when the world size is at most the cores here and no more threads are runnable than "
+    "cores, else 0",
+    "microseconds a waiting rank busy-polls before sleeping (setting it turns adaptation off)",
+    true};
 inline constexpr EnvVar kEnvYieldUs{
-    "RINGREDUCE_YIELD_US", "200 when the world size is above the cores here, else 0",
-    "then microseconds it polls, yielding the core between tries, before sleeping", true};
-constexpr int64_t kDefaultYieldUs = 200;
+    "RINGREDUCE_YIELD_US",
+    "200 when the world size is above the cores here, else 0; 0 for 200 ms after a yield "
+    "that came back late",
+    "then microseconds it polls, yielding the core between tries, before sleeping (setting "
+    "it turns adaptation off)",
+    true};
 inline constexpr EnvVar kEnvShm{
     "RINGREDUCE_SHM", "`1`",
     "`0` keeps collectives on TCP even when every rank is on this host", true};
@@ -62,6 +65,8 @@ inline constexpr const EnvVar* kEnvVariables[] = {
 
 std::string envString(const EnvVar& var, const std::string& fallback);
 int64_t envInt(const EnvVar& var, int64_t fallback);
+// Whether the variable is set to a non-empty value.
+bool envIsSet(const EnvVar& var);
 bool debugEnabled();
 
 }  // namespace ringreduce

@@ -295,12 +295,14 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
     const auto now = Clock::now();
     const auto idleUs = std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince);
     if (now >= op.deadline) timeout(op, ss, rs);
-    if (idleUs.count() < tcp_->spinUs()) {
+    WaitPolicy& policy = tcp_->waitPolicy();
+    const int64_t spinUs = policy.spinUs();
+    if (idleUs.count() < spinUs) {
       cpuRelax();
       continue;
     }
-    if (idleUs.count() < tcp_->spinUs() + tcp_->yieldUs()) {
-      sched_yield();
+    if (idleUs.count() < spinUs + policy.yieldUs()) {
+      policy.yield();
       continue;
     }
     // Sleep on the doorbell: arm, then look once more, so a peer that pushed

@@ -97,12 +97,9 @@ std::string storeHost(const c10::intrusive_ptr<c10d::Store>& store) {
 
 TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                            std::chrono::milliseconds timeout)
-    : store_(std::move(store), rankPrefix(rank, size)), rank_(rank), size_(size) {
+    : store_(std::move(store), rankPrefix(rank, size)), rank_(rank), size_(size), wait_(size) {
   for (auto& channel : fds_) channel.assign(size, -1);
   peerAddr_.assign(size, "");
-  const bool coresToSpare = static_cast<unsigned>(size) <= std::thread::hardware_concurrency();
-  spinUs_ = envInt(kEnvSpinUs, coresToSpare ? kDefaultSpinUs : 0);
-  yieldUs_ = envInt(kEnvYieldUs, coresToSpare ? 0 : kDefaultYieldUs);
   if (size > 1) {
     connectMesh(timeout);
   }

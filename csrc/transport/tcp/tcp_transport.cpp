@@ -103,26 +103,23 @@ TcpTransport::~TcpTransport() {
   close();
 }
 
-// Busy-polls for up to spinUs_ before sleeping in poll(): a sleeping rank
-// pays the scheduler's wake-up latency on every small message. Spinning is
-// off when the group has more ranks than this machine has cores; then it polls
-// for up to yieldUs_ yielding the core between tries, so the rank it waits for
-// runs first (4 ranks on 2 cores: a SyncBN step 20-35% faster).
+// Busy-polls, then polls yielding the core, then sleeps in poll(), each for
+// as long as the wait policy allows (transport/wait_policy.h).
 int TcpTransport::pollWithSpin(std::vector<pollfd>& pfds, int timeoutMs) {
-  if (spinUs_ > 0) {
-    const auto until = Clock::now() + std::chrono::microseconds(spinUs_);
+  if (const int64_t spin = wait_.spinUs(); spin > 0) {
+    const auto until = Clock::now() + std::chrono::microseconds(spin);
     do {
       int ready = poll(pfds.data(), pfds.size(), 0);
       if (ready != 0) return ready;
     } while (Clock::now() < until);
   }
-  if (yieldUs_ > 0) {
-    const auto until = Clock::now() + std::chrono::microseconds(yieldUs_);
+  if (const int64_t yield = wait_.yieldUs(); yield > 0) {
+    const auto until = Clock::now() + std::chrono::microseconds(yield);
     do {
       int ready = poll(pfds.data(), pfds.size(), 0);
       if (ready != 0) return ready;
-      sched_yield();
-    } while (Clock::now() < until);
+      wait_.yield();
+    } while (Clock::now() < until && wait_.yieldUs() > 0);
   }
   return poll(pfds.data(), pfds.size(), timeoutMs);
 }

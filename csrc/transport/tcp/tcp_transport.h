@@ -20,6 +20,7 @@
 #include "transport/store_calls.h"
 #include "transport/tcp/socket.h"
 #include "transport/transport.h"
+#include "transport/wait_policy.h"
 
 namespace ringreduce {
 namespace tcp {
@@ -70,8 +71,8 @@ class TcpTransport : public Transport {
   // This group's store key for `name` (keys of a re-created group differ).
   std::string storeKey(const std::string& name) const { return storeBase_ + name; }
   StoreCalls& store() { return store_; }
-  int64_t spinUs() const { return spinUs_; }
-  int64_t yieldUs() const { return yieldUs_; }
+  // How a waiting rank spends its idle time (shared with the shm transport).
+  WaitPolicy& waitPolicy() { return wait_; }
   bool aborted() const { return aborted_; }
 
   // "ip:port" this rank accepts connections on (empty for a group of one).
@@ -130,8 +131,7 @@ class TcpTransport : public Transport {
   std::thread acceptThread_;
   std::unique_ptr<P2PEngine> p2p_;
 
-  int64_t spinUs_ = 0;   // busy-poll budget before sleeping (RINGREDUCE_SPIN_US)
-  int64_t yieldUs_ = 0;  // then poll-and-yield budget (RINGREDUCE_YIELD_US)
+  WaitPolicy wait_;  // spin, yield, sleep: adapts to the machine (thread-safe)
   std::atomic<bool> aborted_{false};
   std::atomic<bool> closed_{false};
   std::string abortReason_;  // guarded by mu_
