@@ -57,6 +57,17 @@ PYBIND11_MODULE(_C, m) {
       "_shm_test_die_after_create",
       [](bool on) { ringreduce::shm::hooks().dieAfterCreate = on; },
       "Testing only: rank 0 SIGKILLs itself right after creating a shared-memory segment");
+  m.def(
+      "_shm_test_staging_bytes",
+      [](int64_t bytes) {
+        int64_t old = ringreduce::shm::hooks().stagingBytes;
+        ringreduce::shm::hooks().stagingBytes = bytes;
+        return old;
+      },
+      py::arg("bytes"),
+      "Testing and benchmarks only: bytes of each staging area of the two-step all-reduce in "
+      "shared-memory groups created from now on (0: the default); returns the previous value. "
+      "Every rank must set the same.");
 
   m.def(
       "environment",
