@@ -3,6 +3,13 @@
     python scripts/bench_collectives.py --nproc 4 --backends ringreduce gloo \\
         --ops allreduce allgather -b 4K -e 64M -f 4 --dtype float32 --json out.json
 
+A backend may name an all-reduce algorithm of ringreduce, to compare them side
+by side in one run (RINGREDUCE_ALLREDUCE is set while its group is created):
+
+    python scripts/bench_collectives.py --nproc 4 --ops allreduce \\
+        --backends ringreduce:ring ringreduce:direct ringreduce:two_step
+    ... --backends ringreduce:two_step@256K ringreduce:two_step@4M   # staging areas
+
 Without torchrun it spawns --nproc ranks on this host (FileStore rendezvous);
 under torchrun it takes RANK/WORLD_SIZE from the environment and ignores --nproc.
 The default group is gloo and carries only control traffic (barriers, agreeing
@@ -132,13 +139,36 @@ def fill_row(row, op, reps, plan_, wrong):
 
 # ------------------------------------------------------------ groups
 
+def new_group(name, timeout):
+    """A group of backend `name`: "gloo", "ringreduce", or "ringreduce:<algorithm>"
+    (an all-reduce algorithm, RINGREDUCE_ALLREDUCE while the group is created),
+    optionally "@<size>": the two-step all-reduce's staging areas (e.g. 256K)."""
+    backend, _, spec = name.partition(":")
+    if not spec:
+        return dist.new_group(backend=backend, timeout=timeout)
+    algorithm, _, staging = spec.partition("@")
+    from torch_ringreduce import _C
+
+    saved = os.environ.get("RINGREDUCE_ALLREDUCE")
+    os.environ["RINGREDUCE_ALLREDUCE"] = algorithm
+    old = _C._shm_test_staging_bytes(bu.parse_size(staging) if staging else 0)
+    try:
+        return dist.new_group(backend=backend, timeout=timeout)
+    finally:
+        _C._shm_test_staging_bytes(old)
+        if saved is None:
+            del os.environ["RINGREDUCE_ALLREDUCE"]
+        else:
+            os.environ["RINGREDUCE_ALLREDUCE"] = saved
+
+
 def create_groups(backends, ctx, args, hint):
     """{backend: group} for the backends that work on every rank; report the others."""
     groups, errors = {}, {}
     timeout = datetime.timedelta(seconds=args.timeout)
     for name in backends:
         try:
-            group = dist.new_group(backend=name, timeout=timeout)
+            group = new_group(name, timeout)
             probe = torch.ones(1, device=ctx.device)
             dist.all_reduce(probe, group=group)
             if probe.item() != ctx.n:
@@ -155,7 +185,7 @@ def create_groups(backends, ctx, args, hint):
     for name, text in failed.items():
         groups.pop(name, None)
         extra = ""
-        if name == "ringreduce":
+        if name.startswith("ringreduce"):
             extra = f" ({hint + '; ' if hint else 'is the extension built? '}`make build`)"
         log(ctx, f"# backend {name!r} could not create a group and is skipped{extra}\n#   {text}")
     return groups, failed
@@ -236,7 +266,8 @@ def sweep_op(op_name, ctx, groups, sizes, args, progress):
 
 
 def worker(world, args):
-    hint = bu.import_ringreduce() if "ringreduce" in args.backends else ""
+    ours = any(b.startswith("ringreduce") for b in args.backends)
+    hint = bu.import_ringreduce() if ours else ""
     bu.init_default_group(world, "gloo", args.timeout, args.device)
     ctx = Ctx(world.rank, world.size, args.root, bu.DTYPES[args.dtype],
               bu.tensor_device(args.device), args.redop)

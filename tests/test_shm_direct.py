@@ -140,6 +140,42 @@ def test_strided_and_coalesced_inputs(worlds):
         assert res == {"strided": True, "untouched": True, "coalesced": [True, True]}, res
 
 
+@pytest.mark.parametrize("size,shared,bytes_,want", [
+    (2, True, 0, "direct"), (2, True, 128 << 10, "direct"), (2, True, (128 << 10) + 1, "two_step"),
+    (3, True, 4 << 10, "direct"), (3, True, (4 << 10) + 1, "two_step"),
+    (4, True, 1000, "direct"), (4, True, 64 << 20, "two_step"), (8, True, 1 << 20, "two_step"),
+    (2, False, 16 << 10, "direct"), (4, False, (16 << 10) + 1, "ring"),
+])
+def test_auto_follows_the_measured_crossovers(size, shared, bytes_, want):
+    from torch_ringreduce import _C
+
+    assert _C._choose_allreduce(bytes_, size, shared) == want
+
+
+@pytest.mark.parametrize("forced,shared,want", [
+    ("ring", True, "ring"), ("direct", True, "direct"), ("two_step", True, "two_step"),
+    ("two_step", False, "ring"),  # no shared memory: auto
+])
+def test_forced_algorithms(forced, shared, want):
+    from torch_ringreduce import _C
+
+    assert _C._choose_allreduce(1 << 20, 3, shared, forced) == want
+
+
+def _auto_runs_two_step(ctx):
+    """Remote: the default group, 64 KiB of random floats on 3 ranks: the
+    rank-order fold bit for bit (the ring adds in another order)."""
+    n = ctx.world_size
+    inputs = [make_input("auto", r, 16 << 10, torch.float32, R.SUM, False) for r in range(n)]
+    ours = inputs[ctx.rank].clone()
+    dist.all_reduce(ours)
+    return torch.equal(ours, _fold(inputs, R.SUM, torch.float32))
+
+
+def test_auto_runs_two_step_on_shared_memory(worlds):
+    assert worlds.run(3, _auto_runs_two_step) == [True] * 3
+
+
 # --------------------------------------------------------------------------
 # Failures: an error naming the rank, within seconds, never a hang
 # --------------------------------------------------------------------------

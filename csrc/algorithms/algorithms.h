@@ -48,9 +48,15 @@ void allreduceTwoStep(const Comm& c, SharedBuffers& shared, char* data, size_t c
 // The all-reduce for `bytes` on `size` ranks, `shared` when the transport
 // offers SharedBuffers: the forced one (`forced` != kAuto, two-step only
 // where there is shared memory), else the fastest measured (docs/DESIGN.md,
-// "All-reduce on one host").
+// "All-reduce on one host"): over TCP direct up to kDirectAllreduceBytes,
+// then the ring; over shared memory direct up to directSharedBytes(size)
+// (one synchronisation instead of two), then two-step (the ring was slower
+// at every size from 4 KiB to 64 MiB on 2-4 ranks).
 AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
                                    AllreduceAlgorithm forced);
+constexpr size_t kDirectShared2Bytes = 128 * 1024;  // 2 ranks
+constexpr size_t kDirectSharedBytes = 4 * 1024;     // 3 ranks and more
+size_t directSharedBytes(int size);
 
 // The all-reduce chooseAllreduce picks for this buffer, group and transport.
 void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);

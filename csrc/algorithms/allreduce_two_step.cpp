@@ -50,7 +50,7 @@ void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count
                   size_t elemSize, ReduceFn fn, uint64_t step) {
   const size_t bytes = count * elemSize;
   const uint64_t round = shared.beginRound(c.op);
-  std::memcpy(shared.staging(c.rank, round), base, bytes);
+  if (bytes > 0) std::memcpy(shared.staging(c.rank, round), base, bytes);
   shared.publishStaged(c.op, round, step, bytes);
   shared.awaitStaged(c.op, round, step, bytes);
 
@@ -65,6 +65,7 @@ void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count
   for (int q = 0; q < c.size; ++q) {
     if (q == c.rank) continue;
     const Block b = evenBlock(count, c.size, q);
+    if (b.count == 0) continue;
     std::memcpy(base + b.offset * elemSize, shared.staging(q, round) + b.offset * elemSize,
                 b.count * elemSize);
   }
@@ -89,13 +90,19 @@ void allreduceTwoStep(const Comm& c, SharedBuffers& shared, char* data, size_t c
   c.count(moved, moved);
 }
 
+size_t directSharedBytes(int size) {
+  return size == 2 ? kDirectShared2Bytes : kDirectSharedBytes;
+}
+
 AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
                                    AllreduceAlgorithm forced) {
-  (void)size;
   if (forced == AllreduceAlgorithm::kTwoStep && !shared) forced = AllreduceAlgorithm::kAuto;
   if (forced != AllreduceAlgorithm::kAuto) return forced;
-  if (bytes <= kDirectAllreduceBytes) return AllreduceAlgorithm::kDirect;
-  return shared ? AllreduceAlgorithm::kTwoStep : AllreduceAlgorithm::kRing;
+  if (!shared) {
+    return bytes <= kDirectAllreduceBytes ? AllreduceAlgorithm::kDirect : AllreduceAlgorithm::kRing;
+  }
+  return bytes <= directSharedBytes(size) ? AllreduceAlgorithm::kDirect
+                                          : AllreduceAlgorithm::kTwoStep;
 }
 
 void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {

@@ -38,7 +38,7 @@ class ShmSharedBuffers : public SharedBuffers {
 
   uint64_t beginRound(const OpInfo& op) override {
     const uint64_t round = ++round_;
-    awaitFlags(op, Flag::kStaged, round - 1, "finish round " + std::to_string(round - 2));
+    awaitFlags(op, Flag::kStaged, round - 1, "finish its previous round");
     return round;
   }
 
