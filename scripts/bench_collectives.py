@@ -5,6 +5,13 @@
     python scripts/bench_collectives.py --course-table            # the course table below
     python scripts/bench_collectives.py --course-table --workers 2 4 --sizes 1M 10M 100M
 
+A backend may name an all-reduce algorithm of ringreduce, to compare them side
+by side in one run (RINGREDUCE_ALLREDUCE is set while its group is created):
+
+    python scripts/bench_collectives.py --nproc 4 --ops allreduce \\
+        --backends ringreduce:ring ringreduce:direct ringreduce:two_step
+    ... --backends ringreduce:two_step@256K ringreduce:two_step@4M   # staging areas
+
 Without torchrun it spawns --nproc ranks on this host (FileStore rendezvous);
 under torchrun it takes RANK/WORLD_SIZE from the environment and ignores --nproc.
 The default group is gloo and carries only control traffic (barriers, agreeing
@@ -147,6 +154,29 @@ def fill_row(row, op, reps, plan_, wrong):
 
 # ------------------------------------------------------------ groups
 
+def new_group(name, timeout):
+    """A group of backend `name`: "gloo", "ringreduce", or "ringreduce:<algorithm>"
+    (an all-reduce algorithm, RINGREDUCE_ALLREDUCE while the group is created),
+    optionally "@<size>": the two-step all-reduce's staging areas (e.g. 256K)."""
+    backend, _, spec = name.partition(":")
+    if not spec:
+        return dist.new_group(backend=backend, timeout=timeout)
+    algorithm, _, staging = spec.partition("@")
+    from torch_ringreduce import _C
+
+    saved = os.environ.get("RINGREDUCE_ALLREDUCE")
+    os.environ["RINGREDUCE_ALLREDUCE"] = algorithm
+    old = _C._shm_test_staging_bytes(bu.parse_size(staging) if staging else 0)
+    try:
+        return dist.new_group(backend=backend, timeout=timeout)
+    finally:
+        _C._shm_test_staging_bytes(old)
+        if saved is None:
+            del os.environ["RINGREDUCE_ALLREDUCE"]
+        else:
+            os.environ["RINGREDUCE_ALLREDUCE"] = saved
+
+
 def create_groups(backends, ctx, args, hint):
     """{backend: group} for the backends that work on every rank; report the others."""
     groups, errors = {}, {}
@@ -158,7 +188,7 @@ def create_groups(backends, ctx, args, hint):
                 group = bm.new_group(ctx)
                 group.probe(probe)
             else:
-                group = dist.new_group(backend=name, timeout=timeout)
+                group = new_group(name, timeout)
                 dist.all_reduce(probe, group=group)
             if probe.item() != ctx.n:
                 raise RuntimeError(f"probe all_reduce gave {probe.item()}, expected {ctx.n}")
@@ -174,7 +204,7 @@ def create_groups(backends, ctx, args, hint):
     for name, text in failed.items():
         groups.pop(name, None)
         extra = ""
-        if name == "ringreduce":
+        if name.startswith("ringreduce"):
             extra = f" ({hint + '; ' if hint else 'is the extension built? '}`make build`)"
         log(ctx, f"# backend {name!r} could not create a group and is skipped{extra}\n#   {text}")
     return groups, failed
@@ -257,7 +287,8 @@ def sweep_op(op_name, ctx, groups, sizes, args, progress, refs):
 
 
 def worker(world, args):
-    hint = bu.import_ringreduce() if "ringreduce" in (*args.backends, args.floor) else ""
+    ours = any(str(b).startswith("ringreduce") for b in (*args.backends, args.floor))
+    hint = bu.import_ringreduce() if ours else ""
     bu.init_default_group(world, "gloo", args.timeout, args.device)
     ctx = Ctx(world.rank, world.size, args.root, bu.DTYPES[args.dtype],
               bu.tensor_device(args.device), args.redop)

@@ -8,6 +8,7 @@
 
 #include "algorithms/comm.h"
 #include "kernels/reduce_fn.h"
+#include "transport/shared_buffers.h"
 
 namespace ringreduce {
 
@@ -34,14 +35,31 @@ void allreduceRing(const Comm& c, char* data, size_t count, size_t elemSize, Red
 void allreduceDirect(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
 constexpr size_t kDirectAllreduceBytes = 16 * 1024;
 
-// allreduceDirect up to kDirectAllreduceBytes (latency-bound), else allreduceRing.
-inline void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {
-  if (count * elemSize <= kDirectAllreduceBytes) {
-    allreduceDirect(c, data, count, elemSize, fn);
-  } else {
-    allreduceRing(c, data, count, elemSize, fn);
-  }
-}
+// Two-step all-reduce over memory every rank maps (SharedBuffers), in rounds
+// of at most shared.stagingBytes() per rank: each rank stages its chunk, then
+// reduces its 1/n slice reading every rank's chunk in rank order 0..n-1, then
+// copies every rank's reduced slice back. Same order everywhere and one rank
+// per element, so the result is bitwise identical on every rank. Counts
+// (n-1)/n of the buffer sent and received per rank for each step, 2(n-1)/n in
+// all, as the ring (allreduce_two_step.cpp).
+void allreduceTwoStep(const Comm& c, SharedBuffers& shared, char* data, size_t count,
+                      size_t elemSize, ReduceFn fn);
+
+// The all-reduce for `bytes` on `size` ranks, `shared` when the transport
+// offers SharedBuffers: the forced one (`forced` != kAuto, two-step only
+// where there is shared memory), else the fastest measured (docs/DESIGN.md,
+// "All-reduce on one host"): over TCP direct up to kDirectAllreduceBytes,
+// then the ring; over shared memory direct up to directSharedBytes(size)
+// (one synchronisation instead of two), then two-step (the ring was slower
+// at every size from 4 KiB to 64 MiB on 2-4 ranks).
+AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
+                                   AllreduceAlgorithm forced);
+constexpr size_t kDirectShared2Bytes = 128 * 1024;  // 2 ranks
+constexpr size_t kDirectSharedBytes = 4 * 1024;     // 3 ranks and more
+size_t directSharedBytes(int size);
+
+// The all-reduce chooseAllreduce picks for this buffer, group and transport.
+void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
 
 // Reduce to root: reduce-scatter, then every rank sends its reduced block to
 // root. Equals allreduce bitwise on the root.

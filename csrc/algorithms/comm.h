@@ -9,6 +9,11 @@
 
 namespace ringreduce {
 
+// Which all-reduce runs (allreduceAuto): kAuto picks by size and transport
+// (chooseAllreduce); the others force one, for benchmarks and tests
+// (RINGREDUCE_ALLREDUCE).
+enum class AllreduceAlgorithm : uint8_t { kAuto, kRing, kDirect, kTwoStep };
+
 struct Comm {
   Transport& transport;
   const OpInfo& op;
@@ -16,17 +21,24 @@ struct Comm {
   int size;
   size_t segmentBytes;  // largest ring message (pipelining unit)
   Traffic* traffic = nullptr;  // counts the payload bytes of completed exchanges
+  AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;
 
   // Every algorithm moves its data through here: the transport's exchange,
   // then the bytes counted (a failed exchange throws and counts nothing).
   void exchange(std::vector<SendSpec>& sends, std::vector<RecvSpec>& recvs) const {
     transport.exchange(op, sends, recvs);
+    size_t out = 0, in = 0;
+    for (const auto& s : sends) out += s.bytes;
+    for (const auto& r : recvs) in += r.bytes;
+    count(out, in);
+  }
+
+  // Bytes an algorithm moved without exchange() (peers read them in shared
+  // memory): counted as if sent and received, once the op's moves succeeded.
+  void count(size_t sent, size_t received) const {
     if (traffic) {
-      size_t out = 0, in = 0;
-      for (const auto& s : sends) out += s.bytes;
-      for (const auto& r : recvs) in += r.bytes;
-      traffic->sent(out);
-      traffic->received(in);
+      traffic->sent(sent);
+      traffic->received(received);
     }
   }
 

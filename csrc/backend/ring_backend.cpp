@@ -15,6 +15,16 @@ namespace {
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
 
+AllreduceAlgorithm allreduceFromEnv() {
+  const std::string name = envString(kEnvAllreduce, "auto");
+  if (name == "auto") return AllreduceAlgorithm::kAuto;
+  if (name == "ring") return AllreduceAlgorithm::kRing;
+  if (name == "direct") return AllreduceAlgorithm::kDirect;
+  if (name == "two_step") return AllreduceAlgorithm::kTwoStep;
+  TORCH_CHECK_VALUE(false, "[ringreduce] ", kEnvAllreduce.name, "='", name,
+                    "' is not an all-reduce algorithm (expected auto, ring, direct or two_step)");
+}
+
 }  // namespace
 
 RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -26,6 +36,7 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   TORCH_CHECK_VALUE(segment >= 64, "[ringreduce] ", kEnvSegmentBytes.name, "=", segment,
                     " is too small (at least 64 bytes)");
   segmentBytes_ = static_cast<size_t>(segment);
+  allreduce_ = allreduceFromEnv();
   // Ranks all on this host talk through shared memory; the TCP mesh stays up
   // underneath for point-to-point and for spreading failures.
   // One deadline for the whole set-up: the group timeout bounds it all.
@@ -148,7 +159,7 @@ void RingBackend::runEntry(Entry& e) {
   at::NoGradGuard noGrad;
   e.op.timeout = e.timeout;
   e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
-  Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, &traffic_};
+  Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, &traffic_, allreduce_};
   DeviceStage& stage = e.work->stage();
   try {
     stage.beforeRun();  // CUDA: the copies to the host are done

@@ -149,6 +149,7 @@ class RingBackend : public c10d::Backend {
   tcp::TcpTransport* tcp_ = nullptr;      // the TCP mesh (owned through transport_)
   std::chrono::milliseconds timeout_;
   size_t segmentBytes_;
+  AllreduceAlgorithm allreduce_;  // RINGREDUCE_ALLREDUCE, read once
   Traffic traffic_;  // atomics: updated by the worker, transport threads and callers
 
   // Locking: mu_ guards queue_, stopping_, running_ and seq_ (cv_ waits on

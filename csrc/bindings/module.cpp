@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "algorithms/algorithms.h"
 #include "algorithms/segments.h"
 #include "backend/ring_backend.h"
 #include "common/env.h"
@@ -57,6 +58,31 @@ PYBIND11_MODULE(_C, m) {
       "_shm_test_die_after_create",
       [](bool on) { ringreduce::shm::hooks().dieAfterCreate = on; },
       "Testing only: rank 0 SIGKILLs itself right after creating a shared-memory segment");
+  m.def(
+      "_shm_test_staging_bytes",
+      [](int64_t bytes) {
+        int64_t old = ringreduce::shm::hooks().stagingBytes;
+        ringreduce::shm::hooks().stagingBytes = bytes;
+        return old;
+      },
+      py::arg("bytes"),
+      "Testing and benchmarks only: bytes of each staging area of the two-step all-reduce in "
+      "shared-memory groups created from now on (0: the default); returns the previous value. "
+      "Every rank must set the same.");
+
+  m.def(
+      "_choose_allreduce",
+      [](size_t bytes, int size, bool shared, const std::string& forced) {
+        using A = ringreduce::AllreduceAlgorithm;
+        A f = forced == "ring" ? A::kRing
+              : forced == "direct" ? A::kDirect
+              : forced == "two_step" ? A::kTwoStep : A::kAuto;
+        static const char* names[] = {"auto", "ring", "direct", "two_step"};
+        return std::string(names[static_cast<int>(
+            ringreduce::chooseAllreduce(bytes, size, shared, f))]);
+      },
+      py::arg("bytes"), py::arg("size"), py::arg("shared"), py::arg("forced") = "auto",
+      "Testing only: the all-reduce algorithm the backend runs for these arguments");
 
   m.def(
       "environment",

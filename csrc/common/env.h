@@ -50,6 +50,12 @@ inline constexpr EnvVar kEnvShmRingBytes{
     "bytes of each shared-memory ring buffer (one per ordered pair of ranks; halved while "
     "the segment would pass 256 MiB)",
     true};
+inline constexpr EnvVar kEnvAllreduce{
+    "RINGREDUCE_ALLREDUCE", "`auto`",
+    "all-reduce algorithm of groups created from now on: `auto` (by size, see DESIGN.md), "
+    "`ring`, `direct` (one step, every rank sends all) or `two_step` (shared memory only; "
+    "`auto` elsewhere); every rank must set the same",
+    false};
 inline constexpr EnvVar kEnvCpuAvx2{
     "RINGREDUCE_CPU_AVX2", "`1`",
     "`0` runs the baseline (SSE2) build of the CPU batch-norm kernels instead of the AVX2 one "
@@ -60,8 +66,8 @@ inline constexpr EnvVar kEnvDebug{"RINGREDUCE_DEBUG", "0",
 
 // Every variable above, in README order.
 inline constexpr const EnvVar* kEnvVariables[] = {
-    &kEnvIfname, &kEnvAddr,         &kEnvSegmentBytes, &kEnvSpinUs, &kEnvYieldUs,
-    &kEnvShm,    &kEnvShmRingBytes, &kEnvCpuAvx2,      &kEnvDebug};
+    &kEnvIfname,       &kEnvAddr,      &kEnvSegmentBytes, &kEnvSpinUs, &kEnvYieldUs, &kEnvShm,
+    &kEnvShmRingBytes, &kEnvAllreduce, &kEnvCpuAvx2,      &kEnvDebug};
 
 std::string envString(const EnvVar& var, const std::string& fallback);
 int64_t envInt(const EnvVar& var, int64_t fallback);

@@ -133,6 +133,8 @@ std::pair<int, std::string> timeoutReport(const OpInfo& op, const std::vector<Se
 // receives; error is null on success.
 using P2PCallback = std::function<void(int sourceRank, std::exception_ptr error)>;
 
+class SharedBuffers;
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -170,6 +172,11 @@ class Transport {
   virtual std::string abortReason() const = 0;
   // Stops threads and closes sockets. Idempotent; called by the destructor too.
   virtual void close() = 0;
+
+  // Memory every rank maps, for algorithms that read peers' data in place
+  // (transport/shared_buffers.h); null where there is none (TCP). Owned by
+  // the transport, valid until close().
+  virtual SharedBuffers* sharedBuffers() { return nullptr; }
 };
 
 }  // namespace ringreduce

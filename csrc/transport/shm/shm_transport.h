@@ -11,6 +11,10 @@
 // A waiting rank busy-polls, then yields, then sleeps on its doorbell (the
 // RINGREDUCE_SPIN_US / RINGREDUCE_YIELD_US budgets of the TCP transport).
 //
+// The segment also holds two staging areas and two round flags per rank for
+// the two-step all-reduce, which reads peers' data in place (SharedBuffers,
+// shm_direct.cpp); its waits follow the same policy (shm_segment.h).
+//
 // The TCP mesh stays up underneath: point-to-point runs on it, and it is how
 // failures travel. A sleeping rank polls its peers' (otherwise idle) collective
 // sockets, so a peer that dies (closing them) is named within milliseconds; an
@@ -30,6 +34,9 @@ namespace shm {
 // Test seams (the fault tests set them directly; never an environment variable).
 struct ShmTestHooks {
   bool dieAfterCreate = false;  // rank 0 SIGKILLs itself right after creating the segment
+  // Bytes of each staging area of the two-step all-reduce in groups created
+  // from now on (0: the default); every rank must set the same.
+  int64_t stagingBytes = 0;
 };
 ShmTestHooks& hooks();
 

@@ -1,0 +1,57 @@
+// Memory every rank of a group maps, for algorithms in which ranks read each
+// other's data in place instead of sending it (the two-step all-reduce). Only
+// the shared-memory transport offers it (Transport::sharedBuffers(); null on
+// TCP), and an algorithm over it never sees a segment, a futex or a socket.
+//
+// The unit is a round. Every rank runs the same rounds in the same order
+// (rounds count on across ops, so the k-th round of an op is the same round
+// number everywhere). In round g each rank owns a staging area of
+// stagingBytes() (double-buffered: rounds g and g+1 use different areas) and
+// two flags only it writes, "staged" and "reduced", which carry the round
+// number: a flag left from an earlier round or op is never taken for this one.
+//
+// Waits observe the group's abort flag, the op's deadline and dead peers (the
+// transport's spin/yield/sleep policy), and fail as Transport::exchange does:
+// a DistBackendError naming rank, op#seq and the peer waited for, the group
+// aborted. Not thread-safe: the backend's one op at a time drives it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transport/transport.h"
+
+namespace ringreduce {
+
+class SharedBuffers {
+ public:
+  virtual ~SharedBuffers() = default;
+
+  // Bytes of each rank's staging area (a multiple of 64).
+  virtual size_t stagingBytes() const = 0;
+
+  // Starts this rank's next round of `op` and returns its number: waits until
+  // no peer can still be reading this rank's area for it (every peer staged
+  // the round before, so it finished the one that last used the area).
+  virtual uint64_t beginRound(const OpInfo& op) = 0;
+
+  // Rank `rank`'s staging area in `round` (every rank may read any area
+  // between the flags that make it safe; only its owner writes it).
+  virtual char* staging(int rank, uint64_t round) = 0;
+
+  // This rank's area holds its `bytes` of step `step` (the round's index in
+  // the op): stamps the op's header beside it and raises the staged flag.
+  virtual void publishStaged(const OpInfo& op, uint64_t round, uint64_t step, size_t bytes) = 0;
+  // Waits until every rank has staged `round`, and checks each one's stamp
+  // against this op, step and byte count: a peer that runs another collective,
+  // or the same one with other arguments, fails the op naming it. A peer that
+  // sends this rank a message meanwhile runs another algorithm: the same.
+  virtual void awaitStaged(const OpInfo& op, uint64_t round, uint64_t step, size_t bytes) = 0;
+
+  // This rank wrote what the peers read back from its area in `round`.
+  virtual void publishReduced(uint64_t round) = 0;
+  // Waits until every rank has published `round` reduced.
+  virtual void awaitReduced(const OpInfo& op, uint64_t round) = 0;
+};
+
+}  // namespace ringreduce

@@ -1,0 +1,190 @@
+// The segment's staging areas as SharedBuffers (transport/shared_buffers.h),
+// for algorithms that read their peers' data in place.
+//
+// Round g uses buffer g % 2 of every rank's two slots. Rank r may write its
+// slot of buffer g % 2 once every rank's staged flag reached g - 1: a rank
+// stages g - 1 only after it finished round g - 2, the last one that read
+// that buffer. So no trailing barrier is needed, and a peer is at most one
+// round ahead (it cannot stage g + 1 before this rank staged g), which is
+// why a stamp read under staged >= g is round g's: the stamp sits in the slot
+// it describes, and that slot is rewritten in round g + 2 at the earliest.
+//
+// Memory order: a rank writes its slot, then stores its flag (release); a
+// reader loads the flag (acquire), then reads the slot. Flags only grow.
+//
+// Mismatch: a peer that runs another collective on the rings sends this rank
+// a message it never consumes; its header, seen in a wait, names the peer's op.
+// The rings are looked at before the flags, so a peer that finished this op
+// and already sent its next one's message is never mistaken for it: it could
+// only have finished once every flag this rank waits for was up.
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "transport/shm/shm_segment.h"
+
+namespace ringreduce {
+namespace shm {
+namespace {
+
+enum class Flag { kStaged, kReduced };
+
+class ShmSharedBuffers : public SharedBuffers {
+ public:
+  ShmSharedBuffers(tcp::TcpTransport& tcp, Segment& seg, int rank)
+      : tcp_(tcp), seg_(seg), rank_(rank), size_(seg.layout().size) {}
+
+  size_t stagingBytes() const override { return seg_.layout().stagingBytes; }
+
+  uint64_t beginRound(const OpInfo& op) override {
+    const uint64_t round = ++round_;
+    awaitFlags(op, Flag::kStaged, round - 1, "finish its previous round");
+    return round;
+  }
+
+  char* staging(int rank, uint64_t round) override {
+    return seg_.slot(static_cast<int>(round % 2), rank) + kSlotStampBytes;
+  }
+
+  void publishStaged(const OpInfo& op, uint64_t round, uint64_t step, size_t bytes) override {
+    SendSpec spec{-1, nullptr, bytes, step};
+    const WireHeader stamp = messageHeader(op, spec);
+    std::memcpy(seg_.slot(static_cast<int>(round % 2), rank_), &stamp, sizeof(stamp));
+    publish(Flag::kStaged, round);
+  }
+
+  void awaitStaged(const OpInfo& op, uint64_t round, uint64_t step, size_t bytes) override {
+    awaitFlags(op, Flag::kStaged, round, "stage step " + std::to_string(step));
+    RecvSpec spec{-1, nullptr, bytes, step, {}};
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      WireHeader stamp;
+      std::memcpy(&stamp, seg_.slot(static_cast<int>(round % 2), q), sizeof(stamp));
+      spec.peer = q;
+      const std::string err = headerMismatch(op, spec, stamp);
+      if (!err.empty()) tcp_.failOp(op, q, err + " (shared-memory two-step all-reduce)");
+    }
+  }
+
+  void publishReduced(uint64_t round) override { publish(Flag::kReduced, round); }
+
+  void awaitReduced(const OpInfo& op, uint64_t round) override {
+    awaitFlags(op, Flag::kReduced, round, "reduce its slice");
+  }
+
+ private:
+  std::atomic<uint64_t>& flag(int rank, Flag which) {
+    StageFlags& f = seg_.flags(rank);
+    return which == Flag::kStaged ? f.staged : f.reduced;
+  }
+
+  void publish(Flag which, uint64_t round) {
+    flag(rank_, which).store(round, std::memory_order_release);
+    for (int q = 0; q < size_; ++q) {
+      if (q != rank_) seg_.ring(q);
+    }
+  }
+
+  // The peers whose `which` flag is below `round`: how many, and the first.
+  int behind(Flag which, uint64_t round, int* first = nullptr) {
+    int count = 0;
+    for (int q = 0; q < size_; ++q) {
+      if (q != rank_ && flag(q, which).load(std::memory_order_acquire) < round) {
+        if (count++ == 0 && first != nullptr) *first = q;
+      }
+    }
+    return count;
+  }
+
+  // A peer with a message in its ring to this rank, or -1 (see the top).
+  int firstSender() {
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      const RingControl& c = seg_.control(q, rank_);
+      if (c.head.load(std::memory_order_acquire) != c.tail.load(std::memory_order_relaxed)) {
+        return q;
+      }
+    }
+    return -1;
+  }
+
+  [[noreturn]] void otherAlgorithm(const OpInfo& op, int peer) {
+    // Pushed whole in its first piece (an empty ring has room for a header),
+    // but a slow writer may not have published it yet: wait a moment.
+    const RingControl& c = seg_.control(peer, rank_);
+    const uint64_t tail = c.tail.load(std::memory_order_relaxed);
+    const auto until = tcp::Clock::now() + std::chrono::milliseconds(100);
+    while (c.head.load(std::memory_order_acquire) - tail < sizeof(WireHeader) &&
+           tcp::Clock::now() < until) {
+      std::this_thread::yield();
+    }
+    std::string what = "the peer sent a message while this rank waits in the shared-memory "
+                       "two-step all-reduce";
+    if (c.head.load(std::memory_order_acquire) - tail >= sizeof(WireHeader) &&
+        tail % seg_.layout().ringBytes + sizeof(WireHeader) <= seg_.layout().ringBytes) {
+      WireHeader h;
+      std::memcpy(&h, seg_.ringData(peer, rank_) + tail % seg_.layout().ringBytes, sizeof(h));
+      RecvSpec spec{peer, nullptr, 0, 0, {}};
+      std::string mismatch = headerMismatch(op, spec, h);
+      if (h.kind == static_cast<uint8_t>(op.kind) && h.seq == op.ctx.seq) {
+        mismatch = "algorithm mismatch: the peer runs this op over the rings (is "
+                   "RINGREDUCE_ALLREDUCE the same on every rank?)";
+      }
+      what = mismatch + "; " + what;
+    }
+    tcp_.failOp(op, peer, what);
+  }
+
+  // Waits until every peer's `which` flag reached `round` (what the peers
+  // should be doing is `doing`, for the timeout's message).
+  void awaitFlags(const OpInfo& op, Flag which, uint64_t round, const std::string& doing) {
+    if (behind(which, round) == 0) return;
+    PeerWait wait(tcp_, seg_, rank_, op);
+    int left = size_;  // peers still behind after the last pass
+    const std::function<bool()> ready = [&] {
+      return firstSender() >= 0 || behind(which, round) == 0;
+    };
+    const std::function<void(std::vector<int>&)> waitingOn = [&](std::vector<int>& peers) {
+      for (int q = 0; q < size_; ++q) {
+        if (q != rank_ && flag(q, which).load(std::memory_order_acquire) < round) {
+          peers.push_back(q);
+        }
+      }
+    };
+    const std::function<void()> timedOut = [&] {
+      int peer = -1;
+      behind(which, round, &peer);
+      tcp_.failTimeout(op, peer, "timed out after " + std::to_string(op.timeout.count()) +
+                                       " ms waiting for the peer to " + doing +
+                                       " of the shared-memory two-step all-reduce");
+    };
+    while (true) {
+      const int sender = firstSender();
+      const int now = behind(which, round);
+      if (now == 0) return;
+      if (sender >= 0) otherAlgorithm(op, sender);
+      if (now < left) {
+        left = now;
+        wait.moved();
+      } else {
+        wait.idle(ready, waitingOn, timedOut);
+      }
+    }
+  }
+
+  tcp::TcpTransport& tcp_;
+  Segment& seg_;
+  const int rank_;
+  const int size_;
+  uint64_t round_ = 0;  // the last round this rank began (flags start at 0)
+};
+
+}  // namespace
+
+std::unique_ptr<SharedBuffers> makeSharedBuffers(tcp::TcpTransport& tcp, Segment& seg,
+                                                 int rank) {
+  return std::make_unique<ShmSharedBuffers>(tcp, seg, rank);
+}
+
+}  // namespace shm
+}  // namespace ringreduce

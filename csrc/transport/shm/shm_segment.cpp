@@ -1,0 +1,116 @@
+// The segment layout and the wait policy (see shm_segment.h).
+#include "transport/shm/shm_segment.h"
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace ringreduce {
+namespace shm {
+namespace {
+
+constexpr int kSleepMs = 2;  // a sleeping rank checks its peers' sockets this often
+
+size_t roundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+long futexWait(std::atomic<uint32_t>* word, uint32_t expected, int ms) {
+  timespec ts{ms / 1000, static_cast<long>(ms % 1000) * 1000000L};
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts,
+                 nullptr, 0);
+}
+
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+}  // namespace
+
+Layout Layout::of(int size, size_t ringBytes, size_t stagingBytes) {
+  Layout l;
+  const size_t n = static_cast<size_t>(size);
+  l.size = size;
+  l.ringBytes = ringBytes;
+  l.stagingBytes = stagingBytes;
+  l.bells = roundUp(sizeof(SegmentHeader), 64);
+  l.controls = l.bells + roundUp(sizeof(Doorbell) * n, 64);
+  l.rings = l.controls + sizeof(RingControl) * n * n;
+  l.flags = roundUp(l.rings + ringBytes * n * n, 64);
+  l.slots = l.flags + sizeof(StageFlags) * n;
+  l.total = l.slots + 2 * n * l.slotBytes();
+  return l;
+}
+
+void futexWake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
+          0);
+}
+
+void Segment::ring(int rank) {
+  Doorbell& b = bell(rank);
+  b.ring.fetch_add(1);
+  if (b.sleeping.load() != 0) futexWake(&b.ring);
+}
+
+void throwIfAborted(tcp::TcpTransport& tcp, Segment& seg, const OpInfo& op) {
+  if (tcp.aborted()) throwTransportError(unusable(op, tcp.abortReason()));
+  if (seg.header().aborted.load(std::memory_order_relaxed) != 0) {
+    tcp.awaitPeerError();
+    tcp.failOp(op, -1, "another rank aborted the group");
+  }
+}
+
+PeerWait::PeerWait(tcp::TcpTransport& tcp, Segment& seg, int rank, const OpInfo& op)
+    : tcp_(tcp), seg_(seg), mine_(seg.bell(rank)), op_(op), idleSince_(tcp::Clock::now()) {}
+
+void PeerWait::moved() {
+  idleSince_ = tcp::Clock::now();
+  gone_ = -1;
+}
+
+void PeerWait::idle(const std::function<bool()>& ready,
+                    const std::function<void(std::vector<int>&)>& waitingOn,
+                    const std::function<void()>& onTimeout) {
+  if (gone_ >= 0) {
+    // It may have done its part and exited before we looked: only now, with
+    // a full pass that found nothing new, is its absence an error.
+    tcp_.failOp(op_, gone_, "connection closed by the peer (it exited or aborted)");
+  }
+  throwIfAborted(tcp_, seg_, op_);
+  const auto now = tcp::Clock::now();
+  if (now >= op_.deadline) onTimeout();
+  const auto idleUs =
+      std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince_).count();
+  WaitPolicy& policy = tcp_.waitPolicy();
+  const int64_t spinUs = policy.spinUs();
+  if (idleUs < spinUs) {
+    cpuRelax();
+    return;
+  }
+  if (idleUs < spinUs + policy.yieldUs()) {
+    policy.yield();
+    return;
+  }
+  // Sleep on the doorbell: arm, then look once more, so a peer that moved
+  // after our last look either is seen now or sees the flag and wakes us.
+  mine_.sleeping.store(1);
+  const uint32_t seen = mine_.ring.load();
+  if (!ready()) {
+    const int ms = std::max(1, std::min(kSleepMs, tcp::millisUntil(op_.deadline)));
+    futexWait(&mine_.ring, seen, ms);
+  }
+  mine_.sleeping.store(0);
+  throwIfAborted(tcp_, seg_, op_);
+  // A peer that died closed its sockets. Only peers we still wait for count:
+  // one that got all it needed from us may legitimately be gone already.
+  peers_.clear();
+  waitingOn(peers_);
+  gone_ = tcp_.closedPeer(peers_);
+}
+
+}  // namespace shm
+}  // namespace ringreduce

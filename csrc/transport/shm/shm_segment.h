@@ -1,0 +1,142 @@
+// The shared-memory segment of one group as every rank maps it, and how a rank
+// waits for its peers in it. Shared by the ring-buffer transport
+// (shm_transport.cpp), the two-step staging areas (shm_direct.cpp) and the
+// set-up (shm_setup.cpp); nothing outside transport/shm/ includes it.
+//
+// Layout (every part 64-byte aligned, each atomic on its own cache line):
+//   SegmentHeader | Doorbell x n | RingControl x n*n | ring data x n*n
+//   | StageFlags x n | staging slots x 2*n (double-buffered, per rank)
+// A staging slot is a 64-byte stamp (the WireHeader of its round) and then
+// stagingBytes of data.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "transport/shared_buffers.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace ringreduce {
+namespace shm {
+
+constexpr uint64_t kSegmentMagic = 0x52524453484d3032;  // "RRDSHM02"
+constexpr size_t kSlotStampBytes = 64;
+
+struct alignas(64) Doorbell {
+  std::atomic<uint32_t> ring{0};      // futex word: bumped on every push/pop for this rank
+  std::atomic<uint32_t> sleeping{0};  // 1 while this rank may sleep on `ring`
+};
+
+struct SegmentHeader {
+  uint64_t magic;
+  int64_t size;
+  int64_t ringBytes;
+  int64_t stagingBytes;
+  alignas(64) std::atomic<uint32_t> aborted;
+};
+
+// One direction of one pair: the producer owns head, the consumer owns tail;
+// both count bytes since the start, so head - tail is what is buffered.
+struct RingControl {
+  alignas(64) std::atomic<uint64_t> head;
+  alignas(64) std::atomic<uint64_t> tail;
+};
+
+// One rank's round flags (it alone writes them; they only grow).
+struct StageFlags {
+  alignas(64) std::atomic<uint64_t> staged;
+  alignas(64) std::atomic<uint64_t> reduced;
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free &&
+                  std::atomic<uint64_t>::is_always_lock_free,
+              "shared-memory atomics must be lock-free");
+
+// Byte offsets of the parts of a segment for `size` ranks.
+struct Layout {
+  int size = 0;
+  size_t ringBytes = 0;
+  size_t stagingBytes = 0;
+  size_t bells = 0, controls = 0, rings = 0, flags = 0, slots = 0, total = 0;
+
+  static Layout of(int size, size_t ringBytes, size_t stagingBytes);
+  size_t slotBytes() const { return kSlotStampBytes + stagingBytes; }
+};
+
+// One rank's view of a mapped segment (it does not own the mapping).
+class Segment {
+ public:
+  Segment(void* base, const Layout& layout) : base_(static_cast<char*>(base)), layout_(layout) {}
+
+  const Layout& layout() const { return layout_; }
+  SegmentHeader& header() { return *reinterpret_cast<SegmentHeader*>(base_); }
+  Doorbell& bell(int rank) { return reinterpret_cast<Doorbell*>(base_ + layout_.bells)[rank]; }
+  RingControl& control(int from, int to) {
+    return reinterpret_cast<RingControl*>(base_ + layout_.controls)[from * layout_.size + to];
+  }
+  char* ringData(int from, int to) {
+    return base_ + layout_.rings + (from * layout_.size + to) * layout_.ringBytes;
+  }
+  StageFlags& flags(int rank) {
+    return reinterpret_cast<StageFlags*>(base_ + layout_.flags)[rank];
+  }
+  // Rank `rank`'s slot in buffer 0 or 1: the stamp, then the data.
+  char* slot(int buffer, int rank) {
+    return base_ + layout_.slots + (buffer * layout_.size + rank) * layout_.slotBytes();
+  }
+  // Wakes `rank` if it sleeps (the sleeping flag saves a syscall per message).
+  void ring(int rank);
+
+ private:
+  char* base_;
+  Layout layout_;
+};
+
+void futexWake(std::atomic<uint32_t>* word);
+
+// Fails `op` if this transport or any rank aborted the group (the segment's
+// flag goes up before a failing rank publishes its error: see DESIGN.md).
+void throwIfAborted(tcp::TcpTransport& tcp, Segment& seg, const OpInfo& op);
+
+// How a rank waits for its peers in the segment, for every wait alike:
+// busy-poll for RINGREDUCE_SPIN_US, then yield for RINGREDUCE_YIELD_US, then
+// sleep on its doorbell a few ms at a time. Each idle pass checks the group's
+// abort flag and the op's deadline; each sleep also checks the peers still
+// waited for, and one whose connection closed fails the op if the next full
+// pass moves nothing (it may have finished its part and exited).
+class PeerWait {
+ public:
+  PeerWait(tcp::TcpTransport& tcp, Segment& seg, int rank, const OpInfo& op);
+
+  // The last pass moved something: spin again, forget a closed peer.
+  void moved();
+  // The last full pass moved nothing. Throws as above; calls onTimeout (which
+  // must throw) past the deadline; else spins, yields or sleeps, unless
+  // ready() (looked at after arming the doorbell) says there is work already.
+  // waitingOn(out) fills the peers still waited for.
+  void idle(const std::function<bool()>& ready,
+            const std::function<void(std::vector<int>&)>& waitingOn,
+            const std::function<void()>& onTimeout);
+
+ private:
+  tcp::TcpTransport& tcp_;
+  Segment& seg_;
+  Doorbell& mine_;
+  const OpInfo& op_;
+  tcp::Clock::time_point idleSince_;
+  int gone_ = -1;  // a peer whose connection closed; fatal if a full pass then moves nothing
+  std::vector<int> peers_;
+};
+
+// shm_transport.cpp: the transport over a mapped segment (it unmaps it).
+std::unique_ptr<Transport> makeShmTransport(std::unique_ptr<tcp::TcpTransport> tcp, int rank,
+                                            void* base, const Layout& layout);
+// shm_direct.cpp: the segment's staging areas as SharedBuffers.
+std::unique_ptr<SharedBuffers> makeSharedBuffers(tcp::TcpTransport& tcp, Segment& seg, int rank);
+
+}  // namespace shm
+}  // namespace ringreduce
