@@ -162,6 +162,16 @@ def test_forced_algorithms(forced, shared, want):
     assert _C._choose_allreduce(1 << 20, 3, shared, forced) == want
 
 
+def test_an_unknown_algorithm_is_a_value_error(tmp_path):
+    from torch_ringreduce import _C
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    with pytest.raises(ValueError, match="RINGREDUCE_ALLREDUCE='tree' is not an all-reduce "
+                                         "algorithm"):
+        with_env({"RINGREDUCE_ALLREDUCE": "tree"},
+                 lambda: _C.RingBackend(store, 0, 1, timedelta(seconds=5)))
+
+
 def _auto_runs_two_step(ctx):
     """Remote: the default group, 64 KiB of random floats on 3 ranks: the
     rank-order fold bit for bit (the ring adds in another order)."""
