@@ -3,29 +3,40 @@
 These mirror the C++ algorithms, so a script can predict what
 torch_ringreduce.traffic(group) will count (payload only, message headers not
 counted). One all_reduce of `count` elements of `itemsize` bytes, S = count *
-itemsize, on n ranks; allreduceAuto (csrc/algorithms/algorithms.h) picks:
+itemsize, on n ranks; chooseAllreduce (csrc/algorithms/allreduce_two_step.cpp)
+picks by transport:
 
-  n == 1     nothing moves.
-  S <= 16 KiB  allreduceDirect (csrc/algorithms/algorithms.h): one step, every
-             rank sends its whole buffer to every other rank and reduces the n
-             buffers in rank order: (n-1)*S sent and (n-1)*S received per rank.
-  S > 16 KiB   allreduceRing (csrc/algorithms/allreduce_ring.cpp): reduce-scatter
-             then all-gather over the even split of the count into n blocks
-             b_0..b_{n-1} (evenBlock in csrc/algorithms/segments.h: the first
-             count % n blocks one element larger). Rank r sends every block but
-             b_r in the reduce-scatter and every block but b_{r+1} in the
-             all-gather: (2*count - b_r - b_{r+1}) * itemsize sent, and
-             (2*count - b_{r-1} - b_r) * itemsize received. When n divides the
-             count this is the textbook 2(n-1)/n * S.
-
-Note the direct path costs (n-1)*S, more than the ring's 2(n-1)/n*S once
-n > 2: it buys one latency instead of 2(n-1). At n = 2 both are S.
+  n == 1       nothing moves.
+  direct       allreduceDirect: one step, every rank sends its whole buffer to every
+               other and reduces the n buffers in rank order: (n-1)*S sent and
+               received per rank. TCP: S <= 16 KiB; shared memory: S <= 128 KiB at
+               2 ranks, S <= 4 KiB at 3 and more.
+  ring (TCP)   allreduceRing (allreduce_ring.cpp): reduce-scatter then all-gather
+               over the even split of the count into n blocks b_0..b_{n-1}
+               (evenBlock in csrc/algorithms/segments.h: the first count % n blocks
+               one element larger). Rank r sends every block but b_r in the
+               reduce-scatter and every block but b_{r+1} in the all-gather:
+               (2*count - b_r - b_{r+1}) * itemsize sent, and
+               (2*count - b_{r-1} - b_r) * itemsize received.
+  two-step     allreduceTwoStep (shared memory, above the direct range): chunks of
+  (shm)        at most the staging size (1 MiB), each cut into n even slices s_q;
+               peers read the n-1 slices of my chunk they reduce and I read theirs,
+               then everyone reads the others' reduced slices: per chunk
+               (c - s_r + (n-1) * s_r) * itemsize, sent and received alike.
+Both ring and two-step are the textbook 2(n-1)/n * S when n divides the count.
+The direct path costs (n-1)*S, more than that once n > 2: it buys one latency
+instead of several. At n = 2 every algorithm moves S.
 
 TrafficMeter reads what the backend counted, to set beside these forms.
 """
-# kDirectAllreduceBytes in csrc/algorithms/algorithms.h: buffers up to this size
-# (inclusive) take allreduceDirect, larger ones allreduceRing.
+# The C++ thresholds (csrc/algorithms/algorithms.h): kDirectAllreduceBytes (TCP),
+# kDirectShared2Bytes / kDirectSharedBytes (shared memory, 2 ranks / more); buffers up
+# to them (inclusive) take allreduceDirect. kDefaultStagingBytes in
+# csrc/transport/shm/shm_setup.cpp: the two-step all-reduce's chunk.
 DIRECT_ALLREDUCE_BYTES = 16 * 1024
+DIRECT_SHARED_2_BYTES = 128 * 1024
+DIRECT_SHARED_BYTES = 4 * 1024
+STAGING_BYTES = 1 << 20
 
 
 def even_blocks(count, parts):
@@ -35,31 +46,43 @@ def even_blocks(count, parts):
     return [base + (1 if i < rem else 0) for i in range(parts)]
 
 
-def allreduce_algorithm(nbytes, world_size):
-    """'none', 'direct' or 'ring': what allreduceAuto runs for a buffer of `nbytes`."""
+def allreduce_algorithm(nbytes, world_size, transport="shm"):
+    """'none', 'direct', 'ring' or 'two_step': what chooseAllreduce runs for a buffer of
+    `nbytes` on `transport` ('shm': every rank on one host, as the scripts run; 'tcp')."""
     if world_size == 1:
         return "none"
-    return "direct" if nbytes <= DIRECT_ALLREDUCE_BYTES else "ring"
+    if transport == "tcp":
+        return "direct" if nbytes <= DIRECT_ALLREDUCE_BYTES else "ring"
+    limit = DIRECT_SHARED_2_BYTES if world_size == 2 else DIRECT_SHARED_BYTES
+    return "direct" if nbytes <= limit else "two_step"
 
 
-def allreduce_bytes(count, itemsize, world_size, rank):
+def allreduce_bytes(count, itemsize, world_size, rank, transport="shm"):
     """(sent, received) payload bytes of one all_reduce of `count` elements on `rank`."""
     n, r = world_size, rank
-    algorithm = allreduce_algorithm(count * itemsize, n)
+    algorithm = allreduce_algorithm(count * itemsize, n, transport)
     if algorithm == "none":
         return 0, 0
     if algorithm == "direct":
         return (n - 1) * count * itemsize, (n - 1) * count * itemsize
+    if algorithm == "two_step":
+        chunk_elems = max(1, STAGING_BYTES // itemsize)
+        moved = 0
+        for start in range(0, count, chunk_elems):
+            c = min(chunk_elems, count - start)
+            s = even_blocks(c, n)[r]
+            moved += (c - s + (n - 1) * s) * itemsize
+        return moved, moved
     b = even_blocks(count, n)
     return ((2 * count - b[r] - b[(r + 1) % n]) * itemsize,
             (2 * count - b[(r - 1) % n] - b[r]) * itemsize)
 
 
-def allreduces_bytes(calls, world_size, rank):
+def allreduces_bytes(calls, world_size, rank, transport="shm"):
     """(sent, received) of a sequence of all_reduce calls, each (count, itemsize)."""
     sent = received = 0
     for count, itemsize in calls:
-        s, r = allreduce_bytes(count, itemsize, world_size, rank)
+        s, r = allreduce_bytes(count, itemsize, world_size, rank, transport)
         sent, received = sent + s, received + r
     return sent, received
 

@@ -125,8 +125,10 @@ def train(spec, ctx, progress):
             step(i)
     calls = clock.calls[first_call:]
     group = ctx["group"]  # this rank's closed form: the ring's blocks differ by rank
+    backend = group._get_backend(torch.device("cpu"))
+    transport = backend.transport_kind() if hasattr(backend, "transport_kind") else "shm"
     sent, received = traffic_model.allreduces_bytes(calls, dist.get_world_size(group),
-                                                    dist.get_rank(group))
+                                                    dist.get_rank(group), transport)
     mine = {"step": [t for t, _ in times], "comm": [c for _, c in times],
             "memory": tu.peak_memory(device),
             "rss_rise": None if rss.peak_kib is None or start_kib is None else

@@ -165,23 +165,24 @@ def test_measured_bytes_equal_closed_forms(trained, key, argv):
 
 
 def test_the_cases_cover_both_allreduce_algorithms():
-    for argv, algorithm in ((TINY, "ring"), (DIRECT, "direct")):
+    for argv, algorithm in ((TINY, "two_step"), (DIRECT, "direct")):
         args, data = _setup(argv)
         params = pdata.parameter_count(pdata.build_model(
             args.model, data.features, data.classes, args.hidden, args.seed))
         assert pbytes.allreduce_algorithm(4 * params, 3) == algorithm
-        if algorithm == "ring":
-            assert params % 2 and params % 3, "uneven ring blocks on 2 and 3 ranks"
+        if algorithm == "two_step":
+            assert params % 2 and params % 3, "uneven slices on 2 and 3 ranks"
 
 
-@pytest.mark.parametrize("count", [0, 1, 7, 4096, 5471])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("count", [0, 1, 7, 4096, 5471, 300001])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_ring_bytes_sum_to_the_textbook_total(count, n):
+def test_ring_and_two_step_bytes_sum_to_the_textbook_total(count, n, transport):
     blocks = traffic_model.even_blocks(count, n)
     assert sum(blocks) == count and max(blocks) - min(blocks) <= (1 if count else 0)
-    if traffic_model.allreduce_algorithm(4 * count, n) != "ring":
+    if traffic_model.allreduce_algorithm(4 * count, n, transport) not in ("ring", "two_step"):
         return
-    per_rank = [traffic_model.allreduce_bytes(count, 4, n, r) for r in range(n)]
+    per_rank = [traffic_model.allreduce_bytes(count, 4, n, r, transport) for r in range(n)]
     total = 2 * (n - 1) * count * 4  # sum over ranks of 2(N-1)/N * P * e
     assert sum(s for s, _ in per_rank) == total == sum(r for _, r in per_rank)
 
@@ -194,11 +195,27 @@ def test_traffic_model_blocks_are_the_backends(count, n):
     assert traffic_model.even_blocks(count, n) == want
 
 
-def test_direct_allreduce_up_to_16_kib_inclusive():
-    limit = traffic_model.DIRECT_ALLREDUCE_BYTES // 4
-    assert traffic_model.allreduce_bytes(limit, 4, 3, 0) == (2 * 4 * limit,) * 2
-    assert traffic_model.allreduce_bytes(limit + 1, 4, 3, 0)[0] < 2 * 4 * (limit + 1)
-    assert traffic_model.allreduce_bytes(limit + 1, 4, 1, 0) == (0, 0)
+@pytest.mark.parametrize("transport,n,limit_bytes", [
+    ("tcp", 3, traffic_model.DIRECT_ALLREDUCE_BYTES),
+    ("shm", 2, traffic_model.DIRECT_SHARED_2_BYTES),
+    ("shm", 3, traffic_model.DIRECT_SHARED_BYTES)])
+def test_direct_allreduce_up_to_its_limit_inclusive(transport, n, limit_bytes):
+    limit = limit_bytes // 4
+    assert traffic_model.allreduce_bytes(limit, 4, n, 0, transport) == ((n - 1) * 4 * limit,) * 2
+    assert traffic_model.allreduce_algorithm(4 * (limit + 1), n, transport) != "direct"
+    assert traffic_model.allreduce_bytes(limit + 1, 4, 1, 0, transport) == (0, 0)
+
+
+def test_traffic_model_thresholds_are_the_backends():
+    C = pytest.importorskip("torch_ringreduce._C")
+    if not hasattr(C, "_choose_allreduce"):
+        pytest.skip("this build has no _choose_allreduce")
+    for transport in ("tcp", "shm"):
+        for n in (2, 3, 4):
+            for nbytes in (0, 4096, 4100, 16384, 16388, 131072, 131076, 1 << 22):
+                want = traffic_model.allreduce_algorithm(nbytes, n, transport)
+                got = C._choose_allreduce(nbytes, n, transport == "shm", "auto")
+                assert got == want, (transport, n, nbytes, got)
 
 
 # ------------------------------------------------------------------ client splits
