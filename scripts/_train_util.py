@@ -119,6 +119,17 @@ class Progress:
 
 # ------------------------------------------------------------------ memory
 
+def rank0_logging(logger, kind, rank):
+    """`logger` logs INFO on rank 0, only errors elsewhere, prefixed "[kind time]"."""
+    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[{kind} %(asctime)s] %(message)s",
+                                               datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 def reset_peak_memory(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

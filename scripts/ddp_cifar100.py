@@ -133,7 +133,7 @@ def start(args):
                          int(os.environ.get("LOCAL_RANK", 0)))
     else:  # store_path also marks the launcher as not torchrun
         world = bu.World(0, 1, 0, os.path.join(tempfile.mkdtemp(prefix="ddp_cifar100_"), "s"))
-    setup_logging(world.rank)
+    tu.rank0_logging(log, KIND, world.rank)
     if args.threads:
         torch.set_num_threads(args.threads)
     hint = bu.import_ringreduce()  # registers the backend; SyncBatchNorm and DDP live there
@@ -142,17 +142,6 @@ def start(args):
     if not (args.eval_only and world.store_path):
         bu.init_default_group(world, args.backend, args.timeout, args.device)
     return world
-
-
-def setup_logging(rank):
-    """Rank 0 logs; the others only report errors."""
-    log.setLevel(logging.INFO if rank == 0 else logging.ERROR)
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"[{KIND} %(asctime)s] %(message)s",
-                                               datefmt="%H:%M:%S"))
-        log.addHandler(handler)
-        log.propagate = False
 
 
 def comm_device(args, device):

@@ -159,16 +159,6 @@ def init_groups(world, args, launcher):
     return dist.new_group(backend="gloo")
 
 
-def setup_logging(rank):
-    log.setLevel(logging.INFO if rank == 0 else logging.ERROR)
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"[{KIND} %(asctime)s] %(message)s",
-                                               datefmt="%H:%M:%S"))
-        log.addHandler(handler)
-        log.propagate = False
-
-
 # ------------------------------------------------------------------ one paradigm
 
 def run_one(name, paradigm, split, args, data, world, side, parts, doc):
@@ -253,7 +243,7 @@ def describe(args, world, launcher, side, data):
 
 
 def worker(world, args, launcher="spawn"):
-    setup_logging(world.rank)
+    tu.rank0_logging(log, KIND, world.rank)
     torch.set_num_threads(args.threads)
     hint = bu.import_ringreduce()
     if hint and args.backend == "ringreduce":
