@@ -45,15 +45,31 @@ constexpr size_t kDirectAllreduceBytes = 16 * 1024;
 void allreduceTwoStep(const Comm& c, SharedBuffers& shared, char* data, size_t count,
                       size_t elemSize, ReduceFn fn);
 
-// The all-reduce for `bytes` on `size` ranks, `shared` when the transport
-// offers SharedBuffers: the forced one (`forced` != kAuto, two-step only
-// where there is shared memory), else the fastest measured (docs/DESIGN.md,
-// "All-reduce on one host"): over TCP direct up to kDirectAllreduceBytes,
-// then the ring; over shared memory direct up to directSharedBytes(size)
-// (one synchronisation instead of two), then two-step (the ring was slower
-// at every size from 4 KiB to 64 MiB on 2-4 ranks).
+// Hierarchical all-reduce for a group on several hosts with the same number
+// L >= 2 of ranks on each, over the SharedBuffers of each host: per round,
+// the two-step's reduce-scatter within the host (local rank l reduces slice l
+// of the chunk), then an all-reduce of slice l across the hosts among the
+// ranks with local index l (every local rank drives its own ring over TCP, so
+// all of them and every link work at once), then the two-step's all-gather
+// within the host. The slice is reduced in host-local rank order, then across
+// hosts by the ring (or direct, for small slices), and copied: every rank ends
+// bitwise identical. Bytes per rank and round of C bytes on H hosts: 2(L-1)/L
+// of C through shared memory, 2(H-1)/H of C/L over TCP.
+void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology& topology,
+                           char* data, size_t count, size_t elemSize, ReduceFn fn);
+
+// The all-reduce for `bytes` on `size` ranks on `hosts` hosts, `shared` when
+// every rank has SharedBuffers (on a multi-host group: every host runs the
+// same number of ranks, at least two): the forced one (`forced` != kAuto,
+// two-step only on one host with shared memory, hierarchical only on several
+// hosts with it), else the fastest measured (docs/DESIGN.md, "All-reduce on
+// one host"): over TCP direct up to kDirectAllreduceBytes, then the ring; over
+// shared memory on one host direct up to directSharedBytes(size) (one
+// synchronisation instead of two), then two-step (the ring was slower at
+// every size from 4 KiB to 64 MiB on 2-4 ranks); on several hosts direct up
+// to kDirectAllreduceBytes, then hierarchical.
 AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
-                                   AllreduceAlgorithm forced);
+                                   AllreduceAlgorithm forced, int hosts = 1);
 constexpr size_t kDirectShared2Bytes = 128 * 1024;  // 2 ranks
 constexpr size_t kDirectSharedBytes = 4 * 1024;     // 3 ranks and more
 size_t directSharedBytes(int size);

@@ -21,6 +21,7 @@
 // copied to the others, so every rank ends bitwise identical.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/segments.h"
@@ -32,7 +33,8 @@ namespace {
 constexpr size_t kPieceBytes = 16 << 10;
 
 // dst = srcs[0] op srcs[1] op ... (left to right) over `count` elements, also
-// copied to `copy` (this rank's staging area, which peers read back).
+// copied to `copy` (this rank's staging area, which peers read back) unless
+// it is null.
 void reduceInOrder(char* dst, char* copy, const std::vector<const char*>& srcs, size_t count,
                    size_t elemSize, ReduceFn fn) {
   const size_t pieceElems = std::max<size_t>(1, kPieceBytes / elemSize);
@@ -41,34 +43,65 @@ void reduceInOrder(char* dst, char* copy, const std::vector<const char*>& srcs, 
     const size_t at = done * elemSize;
     std::memcpy(dst + at, srcs[0] + at, n * elemSize);
     for (size_t i = 1; i < srcs.size(); ++i) fn(dst + at, srcs[i] + at, n);
-    std::memcpy(copy + at, dst + at, n * elemSize);
+    if (copy != nullptr) std::memcpy(copy + at, dst + at, n * elemSize);
   }
 }
 
-// One round: chunk (its elements at `base`), step `step` of the op.
+// Between the reduce-scatter and the all-gather of a round: all-reduces this
+// rank's reduced slice (count elements at `slice`) with other hosts. Empty
+// on one host.
+using AcrossHosts = std::function<void(char* slice, size_t count)>;
+
+// One round: chunk (its elements at `base`), step `step` of the op, over the
+// ranks that share `shared` (local ranks).
 void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count,
-                  size_t elemSize, ReduceFn fn, uint64_t step) {
+                  size_t elemSize, ReduceFn fn, uint64_t step, const AcrossHosts& across) {
+  const int rank = shared.rank(), size = shared.size();
   const size_t bytes = count * elemSize;
   const uint64_t round = shared.beginRound(c.op);
-  if (bytes > 0) std::memcpy(shared.staging(c.rank, round), base, bytes);
+  if (bytes > 0) std::memcpy(shared.staging(rank, round), base, bytes);
   shared.publishStaged(c.op, round, step, bytes);
   shared.awaitStaged(c.op, round, step, bytes);
 
-  const Block mine = evenBlock(count, c.size, c.rank);
+  const Block mine = evenBlock(count, size, rank);
   const size_t at = mine.offset * elemSize;
-  std::vector<const char*> srcs(c.size);
-  for (int q = 0; q < c.size; ++q) srcs[q] = shared.staging(q, round) + at;
-  reduceInOrder(base + at, shared.staging(c.rank, round) + at, srcs, mine.count, elemSize, fn);
+  std::vector<const char*> srcs(size);
+  for (int q = 0; q < size; ++q) srcs[q] = shared.staging(q, round) + at;
+  char* back = shared.staging(rank, round) + at;
+  reduceInOrder(base + at, across ? nullptr : back, srcs, mine.count, elemSize, fn);
+  if (across) {
+    across(base + at, mine.count);
+    if (mine.count > 0) std::memcpy(back, base + at, mine.count * elemSize);
+  }
   shared.publishReduced(round);
   shared.awaitReduced(c.op, round);
 
-  for (int q = 0; q < c.size; ++q) {
-    if (q == c.rank) continue;
-    const Block b = evenBlock(count, c.size, q);
+  for (int q = 0; q < size; ++q) {
+    if (q == rank) continue;
+    const Block b = evenBlock(count, size, q);
     if (b.count == 0) continue;
     std::memcpy(base + b.offset * elemSize, shared.staging(q, round) + b.offset * elemSize,
                 b.count * elemSize);
   }
+}
+
+// The rounds of a two-step over `shared`, counting what peers on this host
+// read of this rank's data (and it of theirs).
+void twoStepRounds(const Comm& c, SharedBuffers& shared, char* data, size_t count,
+                   size_t elemSize, ReduceFn fn, const AcrossHosts& across) {
+  const int size = shared.size();
+  const size_t chunkElems = std::max<size_t>(1, shared.stagingBytes() / elemSize);
+  const size_t rounds = sliceCount(count, chunkElems);  // one, empty, for count 0
+  size_t moved = 0;
+  for (size_t k = 0; k < rounds; ++k) {
+    const Block chunk = sliceOf(count, chunkElems, k);
+    twoStepRound(c, shared, data + chunk.offset * elemSize, chunk.count, elemSize, fn, k, across);
+    // Peers read (n-1) of the n slices of mine in step 2, all n-1 others
+    // read my slice in step 3; symmetrically for what this rank reads.
+    const size_t slice = evenBlock(chunk.count, size, shared.rank()).count;
+    moved += (chunk.count - slice + (size - 1) * slice) * elemSize;
+  }
+  c.count(moved, moved);
 }
 
 }  // namespace
@@ -76,18 +109,23 @@ void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count
 void allreduceTwoStep(const Comm& c, SharedBuffers& shared, char* data, size_t count,
                       size_t elemSize, ReduceFn fn) {
   if (c.size == 1) return;
-  const size_t chunkElems = std::max<size_t>(1, shared.stagingBytes() / elemSize);
-  const size_t rounds = sliceCount(count, chunkElems);  // one, empty, for count 0
-  size_t moved = 0;
-  for (size_t k = 0; k < rounds; ++k) {
-    const Block chunk = sliceOf(count, chunkElems, k);
-    twoStepRound(c, shared, data + chunk.offset * elemSize, chunk.count, elemSize, fn, k);
-    // Peers read (n-1) of the n slices of mine in step 2, all n-1 others
-    // read my slice in step 3; symmetrically for what this rank reads.
-    const size_t slice = evenBlock(chunk.count, c.size, c.rank).count;
-    moved += (chunk.count - slice + (c.size - 1) * slice) * elemSize;
-  }
-  c.count(moved, moved);
+  twoStepRounds(c, shared, data, count, elemSize, fn, {});
+}
+
+void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology& topology,
+                           char* data, size_t count, size_t elemSize, ReduceFn fn) {
+  // The ranks with this rank's local index on every host, in host order.
+  const int local = topology.localIndex[c.rank];
+  std::vector<int> peers;
+  for (const auto& host : topology.hosts) peers.push_back(host[local]);
+  const Comm across = c.subgroup(peers, topology.hostOf[c.rank]);
+  twoStepRounds(c, shared, data, count, elemSize, fn, [&](char* slice, size_t n) {
+    if (n * elemSize <= kDirectAllreduceBytes) {
+      allreduceDirect(across, slice, n, elemSize, fn);
+    } else {
+      allreduceRing(across, slice, n, elemSize, fn);
+    }
+  });
 }
 
 size_t directSharedBytes(int size) {
@@ -95,24 +133,35 @@ size_t directSharedBytes(int size) {
 }
 
 AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
-                                   AllreduceAlgorithm forced) {
-  if (forced == AllreduceAlgorithm::kTwoStep && !shared) forced = AllreduceAlgorithm::kAuto;
-  if (forced != AllreduceAlgorithm::kAuto) return forced;
-  if (!shared) {
-    return bytes <= kDirectAllreduceBytes ? AllreduceAlgorithm::kDirect : AllreduceAlgorithm::kRing;
+                                   AllreduceAlgorithm forced, int hosts) {
+  using A = AllreduceAlgorithm;
+  const bool oneHostShared = shared && hosts == 1, hostsShared = shared && hosts > 1;
+  if ((forced == A::kTwoStep && !oneHostShared) || (forced == A::kHierarchical && !hostsShared)) {
+    forced = A::kAuto;
   }
-  return bytes <= directSharedBytes(size) ? AllreduceAlgorithm::kDirect
-                                          : AllreduceAlgorithm::kTwoStep;
+  if (forced != A::kAuto) return forced;
+  if (hostsShared) return bytes <= kDirectAllreduceBytes ? A::kDirect : A::kHierarchical;
+  if (!shared) return bytes <= kDirectAllreduceBytes ? A::kDirect : A::kRing;
+  return bytes <= directSharedBytes(size) ? A::kDirect : A::kTwoStep;
 }
 
 void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {
   SharedBuffers* shared = c.transport.sharedBuffers();
-  switch (chooseAllreduce(count * elemSize, c.size, shared != nullptr, c.allreduce)) {
+  const Topology& topology = c.transport.topology();
+  const int hosts = static_cast<int>(topology.hosts.size());
+  // Several hosts: the hierarchical all-reduce needs every host's ranks to
+  // share memory, and as many on each (every rank sees the same table).
+  const bool usable = shared != nullptr && (hosts == 1 || (topology.uniform() &&
+                                                           topology.hosts[0].size() >= 2));
+  switch (chooseAllreduce(count * elemSize, c.size, usable, c.allreduce, hosts)) {
     case AllreduceAlgorithm::kDirect:
       allreduceDirect(c, data, count, elemSize, fn);
       return;
     case AllreduceAlgorithm::kTwoStep:
       allreduceTwoStep(c, *shared, data, count, elemSize, fn);
+      return;
+    case AllreduceAlgorithm::kHierarchical:
+      allreduceHierarchical(c, *shared, topology, data, count, elemSize, fn);
       return;
     default:
       allreduceRing(c, data, count, elemSize, fn);

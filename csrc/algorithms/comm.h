@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <vector>
 
 #include "transport/traffic.h"
 #include "transport/transport.h"
@@ -12,7 +13,7 @@ namespace ringreduce {
 // Which all-reduce runs (allreduceAuto): kAuto picks by size and transport
 // (chooseAllreduce); the others force one, for benchmarks and tests
 // (RINGREDUCE_ALLREDUCE).
-enum class AllreduceAlgorithm : uint8_t { kAuto, kRing, kDirect, kTwoStep };
+enum class AllreduceAlgorithm : uint8_t { kAuto, kRing, kDirect, kTwoStep, kHierarchical };
 
 struct Comm {
   Transport& transport;
@@ -22,10 +23,23 @@ struct Comm {
   size_t segmentBytes;  // largest ring message (pipelining unit)
   Traffic* traffic = nullptr;  // counts the payload bytes of completed exchanges
   AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;
+  // A Comm over part of the group (the hierarchical all-reduce's rings across
+  // hosts): rank i of this Comm is rank (*ranks)[i] of the group. Null: all.
+  const std::vector<int>* ranks = nullptr;
+
+  // The Comm over `members` (ranks of the group; this rank is members[index]).
+  Comm subgroup(const std::vector<int>& members, int index) const {
+    return Comm{transport, op, index, static_cast<int>(members.size()), segmentBytes, traffic,
+                AllreduceAlgorithm::kAuto, &members};
+  }
 
   // Every algorithm moves its data through here: the transport's exchange,
   // then the bytes counted (a failed exchange throws and counts nothing).
   void exchange(std::vector<SendSpec>& sends, std::vector<RecvSpec>& recvs) const {
+    if (ranks != nullptr) {
+      for (auto& s : sends) s.peer = (*ranks)[s.peer];
+      for (auto& r : recvs) r.peer = (*ranks)[r.peer];
+    }
     transport.exchange(op, sends, recvs);
     size_t out = 0, in = 0;
     for (const auto& s : sends) out += s.bytes;

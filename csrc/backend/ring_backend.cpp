@@ -6,8 +6,8 @@
 #include "backend/validate.h"
 #include "common/env.h"
 #include "common/gil.h"
-#include "transport/shm/shm_transport.h"
-#include "transport/tcp/tcp_transport.h"
+#include "transport/factory.h"
+#include "transport/mesh.h"
 
 namespace ringreduce {
 namespace {
@@ -21,8 +21,10 @@ AllreduceAlgorithm allreduceFromEnv() {
   if (name == "ring") return AllreduceAlgorithm::kRing;
   if (name == "direct") return AllreduceAlgorithm::kDirect;
   if (name == "two_step") return AllreduceAlgorithm::kTwoStep;
+  if (name == "hierarchical") return AllreduceAlgorithm::kHierarchical;
   TORCH_CHECK_VALUE(false, "[ringreduce] ", kEnvAllreduce.name, "='", name,
-                    "' is not an all-reduce algorithm (expected auto, ring, direct or two_step)");
+                    "' is not an all-reduce algorithm (expected auto, ring, direct, two_step or "
+                    "hierarchical)");
 }
 
 }  // namespace
@@ -37,16 +39,9 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                     " is too small (at least 64 bytes)");
   segmentBytes_ = static_cast<size_t>(segment);
   allreduce_ = allreduceFromEnv();
-  // Ranks all on this host talk through shared memory; the TCP mesh stays up
-  // underneath for point-to-point and for spreading failures.
-  // One deadline for the whole set-up: the group timeout bounds it all.
-  const auto started = std::chrono::steady_clock::now();
-  auto tcp = std::make_unique<tcp::TcpTransport>(store, rank, size, timeout);
-  tcp_ = tcp.get();
-  auto left = timeout - std::chrono::duration_cast<std::chrono::milliseconds>(
-                            std::chrono::steady_clock::now() - started);
-  transport_ = shm::overSharedMemory(std::move(tcp), store, rank, size,
-                                     std::max(left, std::chrono::milliseconds(1)));
+  // Shared memory with the ranks on this host, TCP with the others; the TCP
+  // mesh underneath carries point-to-point and spreads failures.
+  transport_ = connectGroup(store, rank, size, timeout);
   worker_ = std::thread([this] { workerLoop(); });
 }
 
@@ -208,15 +203,15 @@ std::string RingBackend::transportKind(const std::string& device) const {
 }
 
 std::string RingBackend::listenAddress() const {
-  return tcp_->listenAddress();
+  return transport_->mesh().listenAddress();
 }
 
 std::vector<std::string> RingBackend::refusedConnections() const {
-  return tcp_->refusedConnections();
+  return transport_->mesh().refusedConnections();
 }
 
 uint64_t RingBackend::refusedCount() const {
-  return tcp_->refusedCount();
+  return transport_->mesh().refusedCount();
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -234,9 +229,10 @@ void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
   traffic_.countOp("monitored_barrier");
   const std::string prefix = rankPrefix(getRank(), getSize()) + " " + what + ": ";
   const std::string ms = std::to_string(timeout.count()) + " ms";
-  StoreCalls& st = tcp_->store();
+  Mesh& mesh = transport_->mesh();
+  StoreCalls& st = mesh.store();
   auto key = [&](const std::string& name) {
-    return tcp_->storeKey("monitored_barrier/" + seq + "/" + name);
+    return mesh.storeKey("monitored_barrier/" + seq + "/" + name);
   };
   // Rank 0 writes the verdict after the deadline when a rank is missing: the
   // others wait that long plus a second for it.

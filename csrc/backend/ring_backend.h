@@ -26,10 +26,6 @@
 
 namespace ringreduce {
 
-namespace tcp {
-class TcpTransport;
-}
-
 class RingBackend : public c10d::Backend {
  public:
   RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -94,7 +90,9 @@ class RingBackend : public c10d::Backend {
   void abort() override;
 
   std::string listenAddress() const;
-  // "shm" when collectives go through shared memory, else "tcp"; for
+  // "shm" when collectives go through shared memory (every rank on this
+  // host), "shm+tcp" when some peers are on this host and some elsewhere,
+  // else "tcp"; for
   // device "cuda": how CUDA tensors travel ("host-staging", "none" in a CPU
   // build).
   std::string transportKind(const std::string& device = "cpu") const;
@@ -145,8 +143,7 @@ class RingBackend : public c10d::Backend {
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;
   void workerLoop();
 
-  std::unique_ptr<Transport> transport_;  // shared memory over TCP, or TCP alone
-  tcp::TcpTransport* tcp_ = nullptr;      // the TCP mesh (owned through transport_)
+  std::unique_ptr<Transport> transport_;  // per peer: shared memory or TCP (factory.h)
   std::chrono::milliseconds timeout_;
   size_t segmentBytes_;
   AllreduceAlgorithm allreduce_;  // RINGREDUCE_ALLREDUCE, read once

@@ -30,7 +30,8 @@ PYBIND11_MODULE(_C, m) {
            "'ip:port' this rank accepts peer connections on")
       .def("transport_kind", &ringreduce::RingBackend::transportKind, py::arg("device") = "cpu",
            "device 'cpu': 'shm' when collectives go through shared memory (every rank on "
-           "this host), else 'tcp'; device 'cuda': how CUDA tensors travel, "
+           "this host), 'shm+tcp' when shared memory with this host's ranks and TCP with "
+           "other hosts, else 'tcp'; device 'cuda': how CUDA tensors travel, "
            "'host-staging' ('none' in a build without CUDA)")
       .def("refused_connections", &ringreduce::RingBackend::refusedConnections,
            "Why the most recent refused (unauthenticated) connections were refused")
@@ -72,16 +73,18 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "_choose_allreduce",
-      [](size_t bytes, int size, bool shared, const std::string& forced) {
+      [](size_t bytes, int size, bool shared, const std::string& forced, int hosts) {
         using A = ringreduce::AllreduceAlgorithm;
         A f = forced == "ring" ? A::kRing
               : forced == "direct" ? A::kDirect
-              : forced == "two_step" ? A::kTwoStep : A::kAuto;
-        static const char* names[] = {"auto", "ring", "direct", "two_step"};
+              : forced == "two_step" ? A::kTwoStep
+              : forced == "hierarchical" ? A::kHierarchical : A::kAuto;
+        static const char* names[] = {"auto", "ring", "direct", "two_step", "hierarchical"};
         return std::string(names[static_cast<int>(
-            ringreduce::chooseAllreduce(bytes, size, shared, f))]);
+            ringreduce::chooseAllreduce(bytes, size, shared, f, hosts))]);
       },
       py::arg("bytes"), py::arg("size"), py::arg("shared"), py::arg("forced") = "auto",
+      py::arg("hosts") = 1,
       "Testing only: the all-reduce algorithm the backend runs for these arguments");
 
   m.def(

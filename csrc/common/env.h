@@ -53,8 +53,9 @@ inline constexpr EnvVar kEnvShmRingBytes{
 inline constexpr EnvVar kEnvAllreduce{
     "RINGREDUCE_ALLREDUCE", "`auto`",
     "all-reduce algorithm of groups created from now on: `auto` (by size, see DESIGN.md), "
-    "`ring`, `direct` (one step, every rank sends all) or `two_step` (shared memory only; "
-    "`auto` elsewhere); every rank must set the same",
+    "`ring`, `direct` (one step, every rank sends all), `two_step` (shared memory on one "
+    "host only) or `hierarchical` (several hosts with as many ranks each, sharing memory "
+    "within a host); `auto` where the forced one cannot run; every rank must set the same",
     false};
 inline constexpr EnvVar kEnvCpuAvx2{
     "RINGREDUCE_CPU_AVX2", "`1`",

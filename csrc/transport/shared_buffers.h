@@ -1,7 +1,9 @@
-// Memory every rank of a group maps, for algorithms in which ranks read each
-// other's data in place instead of sending it (the two-step all-reduce). Only
-// the shared-memory transport offers it (Transport::sharedBuffers(); null on
-// TCP), and an algorithm over it never sees a segment, a futex or a socket.
+// Memory every rank of a host maps, for algorithms in which ranks read each
+// other's data in place instead of sending it (the two-step and hierarchical
+// all-reduces). Only the shared-memory transport offers it
+// (Transport::sharedBuffers(); null on TCP), and an algorithm over it never
+// sees a segment, a futex or a socket. Its ranks are local: 0..size()-1 over
+// the group's ranks on this host (all of the group's on one host).
 //
 // The unit is a round. Every rank runs the same rounds in the same order
 // (rounds count on across ops, so the k-th round of an op is the same round
@@ -27,6 +29,12 @@ class SharedBuffers {
  public:
   virtual ~SharedBuffers() = default;
 
+  // This rank's local index and how many ranks share the buffers; the rank
+  // of the group that local index `local` is.
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual int groupRank(int local) const = 0;
+
   // Bytes of each rank's staging area (a multiple of 64).
   virtual size_t stagingBytes() const = 0;
 
@@ -35,7 +43,7 @@ class SharedBuffers {
   // the round before, so it finished the one that last used the area).
   virtual uint64_t beginRound(const OpInfo& op) = 0;
 
-  // Rank `rank`'s staging area in `round` (every rank may read any area
+  // Local rank `rank`'s staging area in `round` (every rank may read any area
   // between the flags that make it safe; only its owner writes it).
   virtual char* staging(int rank, uint64_t round) = 0;
 

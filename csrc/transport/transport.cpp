@@ -115,4 +115,23 @@ const char* opKindName(OpKind kind) {
   return "unknown-op";
 }
 
+
+Topology Topology::singleHost(int size) {
+  Topology t;
+  t.hosts.assign(1, {});
+  for (int r = 0; r < size; ++r) {
+    t.hosts[0].push_back(r);
+    t.hostOf.push_back(0);
+    t.localIndex.push_back(r);
+  }
+  return t;
+}
+
+bool Topology::uniform() const {
+  for (const auto& h : hosts) {
+    if (h.size() != hosts[0].size()) return false;
+  }
+  return true;
+}
+
 }  // namespace ringreduce

@@ -133,15 +133,36 @@ std::pair<int, std::string> timeoutReport(const OpInfo& op, const std::vector<Se
 // receives; error is null on success.
 using P2PCallback = std::function<void(int sourceRank, std::exception_ptr error)>;
 
+class Mesh;
 class SharedBuffers;
+
+// Where the group's ranks run. hosts[h] lists the ranks on host h in
+// ascending order; hosts are ordered by their lowest rank. Every rank holds
+// the same table (built from what every rank published in the store), so
+// every rank makes the same choices from it.
+struct Topology {
+  std::vector<std::vector<int>> hosts;
+  std::vector<int> hostOf;      // per rank: its host's index
+  std::vector<int> localIndex;  // per rank: its index among its host's ranks
+
+  // One host per rank, all on host 0: what a group of one or an unknown layout has.
+  static Topology singleHost(int size);
+  // Every host runs the same number of ranks.
+  bool uniform() const;
+};
 
 class Transport {
  public:
   virtual ~Transport() = default;
 
-  // What carries this group's collectives: "tcp", "shm" (what
+  // What carries this group's collectives: "tcp", "shm", "shm+tcp" (what
   // transport_kind() reports; the backend asks, never compares pointers).
   virtual std::string name() const = 0;
+
+  // The group's control plane: store, failure spreading, abort (mesh.h).
+  virtual Mesh& mesh() = 0;
+  // Which host each rank runs on (one host when the transport cannot tell).
+  virtual const Topology& topology() const = 0;
 
   // Progresses all sends and receives concurrently (a ring step sends right
   // while it receives left) until every one is complete. At most one send and
@@ -173,9 +194,10 @@ class Transport {
   // Stops threads and closes sockets. Idempotent; called by the destructor too.
   virtual void close() = 0;
 
-  // Memory every rank maps, for algorithms that read peers' data in place
-  // (transport/shared_buffers.h); null where there is none (TCP). Owned by
-  // the transport, valid until close().
+  // Memory every rank of this rank's host maps, for algorithms that read
+  // peers' data in place (transport/shared_buffers.h); null where there is
+  // none (TCP, a rank alone on its host). Owned by the transport, valid until
+  // close().
   virtual SharedBuffers* sharedBuffers() { return nullptr; }
 };
 

@@ -31,9 +31,12 @@ enum class Flag { kStaged, kReduced };
 
 class ShmSharedBuffers : public SharedBuffers {
  public:
-  ShmSharedBuffers(tcp::TcpTransport& tcp, Segment& seg, int rank)
-      : tcp_(tcp), seg_(seg), rank_(rank), size_(seg.layout().size) {}
+  ShmSharedBuffers(Mesh& mesh, Segment& seg, const Members& members)
+      : mesh_(mesh), seg_(seg), members_(members), rank_(members.me), size_(members.size()) {}
 
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int groupRank(int local) const override { return members_.ranks[local]; }
   size_t stagingBytes() const override { return seg_.layout().stagingBytes; }
 
   uint64_t beginRound(const OpInfo& op) override {
@@ -62,7 +65,9 @@ class ShmSharedBuffers : public SharedBuffers {
       std::memcpy(&stamp, seg_.slot(static_cast<int>(round % 2), q), sizeof(stamp));
       spec.peer = q;
       const std::string err = headerMismatch(op, spec, stamp);
-      if (!err.empty()) tcp_.failOp(op, q, err + " (shared-memory two-step all-reduce)");
+      if (!err.empty()) {
+        mesh_.failOp(op, members_.ranks[q], err + " (shared-memory two-step all-reduce)");
+      }
     }
   }
 
@@ -113,9 +118,9 @@ class ShmSharedBuffers : public SharedBuffers {
     // but a slow writer may not have published it yet: wait a moment.
     const RingControl& c = seg_.control(peer, rank_);
     const uint64_t tail = c.tail.load(std::memory_order_relaxed);
-    const auto until = tcp::Clock::now() + std::chrono::milliseconds(100);
+    const auto until = Clock::now() + std::chrono::milliseconds(100);
     while (c.head.load(std::memory_order_acquire) - tail < sizeof(WireHeader) &&
-           tcp::Clock::now() < until) {
+           Clock::now() < until) {
       std::this_thread::yield();
     }
     std::string what = "the peer sent a message while this rank waits in the shared-memory "
@@ -132,14 +137,15 @@ class ShmSharedBuffers : public SharedBuffers {
       }
       what = mismatch + "; " + what;
     }
-    tcp_.failOp(op, peer, what);
+    mesh_.failOp(op, members_.ranks[peer], what);
+    __builtin_unreachable();  // failOp throws (a virtual call's [[noreturn]] is not seen)
   }
 
   // Waits until every peer's `which` flag reached `round` (what the peers
   // should be doing is `doing`, for the timeout's message).
   void awaitFlags(const OpInfo& op, Flag which, uint64_t round, const std::string& doing) {
     if (behind(which, round) == 0) return;
-    PeerWait wait(tcp_, seg_, rank_, op);
+    PeerWait wait(mesh_, seg_, rank_, op);
     int left = size_;  // peers still behind after the last pass
     const std::function<bool()> ready = [&] {
       return firstSender() >= 0 || behind(which, round) == 0;
@@ -147,14 +153,14 @@ class ShmSharedBuffers : public SharedBuffers {
     const std::function<void(std::vector<int>&)> waitingOn = [&](std::vector<int>& peers) {
       for (int q = 0; q < size_; ++q) {
         if (q != rank_ && flag(q, which).load(std::memory_order_acquire) < round) {
-          peers.push_back(q);
+          peers.push_back(members_.ranks[q]);
         }
       }
     };
     const std::function<void()> timedOut = [&] {
       int peer = -1;
       behind(which, round, &peer);
-      tcp_.failTimeout(op, peer, "timed out after " + std::to_string(op.timeout.count()) +
+      mesh_.failTimeout(op, peer >= 0 ? members_.ranks[peer] : -1, "timed out after " + std::to_string(op.timeout.count()) +
                                        " ms waiting for the peer to " + doing +
                                        " of the shared-memory two-step all-reduce");
     };
@@ -172,18 +178,19 @@ class ShmSharedBuffers : public SharedBuffers {
     }
   }
 
-  tcp::TcpTransport& tcp_;
+  Mesh& mesh_;
   Segment& seg_;
-  const int rank_;
+  const Members& members_;
+  const int rank_;  // local indices (the segment's)
   const int size_;
   uint64_t round_ = 0;  // the last round this rank began (flags start at 0)
 };
 
 }  // namespace
 
-std::unique_ptr<SharedBuffers> makeSharedBuffers(tcp::TcpTransport& tcp, Segment& seg,
-                                                 int rank) {
-  return std::make_unique<ShmSharedBuffers>(tcp, seg, rank);
+std::unique_ptr<SharedBuffers> makeSharedBuffers(Mesh& mesh, Segment& seg,
+                                                 const Members& members) {
+  return std::make_unique<ShmSharedBuffers>(mesh, seg, members);
 }
 
 }  // namespace shm

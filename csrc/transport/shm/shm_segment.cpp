@@ -28,7 +28,19 @@ inline void cpuRelax() {
 #endif
 }
 
+int millisUntil(Clock::time_point deadline) {
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, 1 << 30));
+}
+
 }  // namespace
+
+Members::Members(std::vector<int> hostRanks, int groupSize, int rank)
+    : ranks(std::move(hostRanks)), local(groupSize, -1) {
+  for (int i = 0; i < size(); ++i) local[ranks[i]] = i;
+  me = local[rank];
+}
 
 Layout Layout::of(int size, size_t ringBytes, size_t stagingBytes) {
   Layout l;
@@ -56,19 +68,19 @@ void Segment::ring(int rank) {
   if (b.sleeping.load() != 0) futexWake(&b.ring);
 }
 
-void throwIfAborted(tcp::TcpTransport& tcp, Segment& seg, const OpInfo& op) {
-  if (tcp.aborted()) throwTransportError(unusable(op, tcp.abortReason()));
+void throwIfAborted(Mesh& mesh, Segment& seg, const OpInfo& op) {
+  if (mesh.aborted()) throwTransportError(unusable(op, mesh.abortReason()));
   if (seg.header().aborted.load(std::memory_order_relaxed) != 0) {
-    tcp.awaitPeerError();
-    tcp.failOp(op, -1, "another rank aborted the group");
+    mesh.awaitPeerError();
+    mesh.failOp(op, -1, "another rank aborted the group");
   }
 }
 
-PeerWait::PeerWait(tcp::TcpTransport& tcp, Segment& seg, int rank, const OpInfo& op)
-    : tcp_(tcp), seg_(seg), mine_(seg.bell(rank)), op_(op), idleSince_(tcp::Clock::now()) {}
+PeerWait::PeerWait(Mesh& mesh, Segment& seg, int local, const OpInfo& op)
+    : mesh_(mesh), seg_(seg), mine_(seg.bell(local)), op_(op), idleSince_(Clock::now()) {}
 
 void PeerWait::moved() {
-  idleSince_ = tcp::Clock::now();
+  idleSince_ = Clock::now();
   gone_ = -1;
 }
 
@@ -78,14 +90,14 @@ void PeerWait::idle(const std::function<bool()>& ready,
   if (gone_ >= 0) {
     // It may have done its part and exited before we looked: only now, with
     // a full pass that found nothing new, is its absence an error.
-    tcp_.failOp(op_, gone_, "connection closed by the peer (it exited or aborted)");
+    mesh_.failOp(op_, gone_, "connection closed by the peer (it exited or aborted)");
   }
-  throwIfAborted(tcp_, seg_, op_);
-  const auto now = tcp::Clock::now();
+  throwIfAborted(mesh_, seg_, op_);
+  const auto now = Clock::now();
   if (now >= op_.deadline) onTimeout();
   const auto idleUs =
       std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince_).count();
-  WaitPolicy& policy = tcp_.waitPolicy();
+  WaitPolicy& policy = mesh_.waitPolicy();
   const int64_t spinUs = policy.spinUs();
   if (idleUs < spinUs) {
     cpuRelax();
@@ -100,16 +112,16 @@ void PeerWait::idle(const std::function<bool()>& ready,
   mine_.sleeping.store(1);
   const uint32_t seen = mine_.ring.load();
   if (!ready()) {
-    const int ms = std::max(1, std::min(kSleepMs, tcp::millisUntil(op_.deadline)));
+    const int ms = std::max(1, std::min(kSleepMs, millisUntil(op_.deadline)));
     futexWait(&mine_.ring, seen, ms);
   }
   mine_.sleeping.store(0);
-  throwIfAborted(tcp_, seg_, op_);
+  throwIfAborted(mesh_, seg_, op_);
   // A peer that died closed its sockets. Only peers we still wait for count:
   // one that got all it needed from us may legitimately be gone already.
   peers_.clear();
   waitingOn(peers_);
-  gone_ = tcp_.closedPeer(peers_);
+  gone_ = mesh_.closedPeer(peers_);
 }
 
 }  // namespace shm

@@ -17,11 +17,25 @@
 #include <memory>
 #include <vector>
 
+#include "transport/mesh.h"
 #include "transport/shared_buffers.h"
-#include "transport/tcp/tcp_transport.h"
 
 namespace ringreduce {
 namespace shm {
+
+using Clock = std::chrono::steady_clock;
+
+// The ranks that share one segment: the group's ranks on this host. Segments
+// index ranks by their place here (local indices); the mesh, errors and
+// Transport peers use ranks of the whole group.
+struct Members {
+  std::vector<int> ranks;  // ranks of the group, ascending; ranks[local] = rank
+  std::vector<int> local;  // per rank of the group: its local index, or -1
+  int me = 0;              // this rank's local index
+
+  Members(std::vector<int> hostRanks, int groupSize, int rank);
+  int size() const { return static_cast<int>(ranks.size()); }
+};
 
 constexpr uint64_t kSegmentMagic = 0x52524453484d3032;  // "RRDSHM02"
 constexpr size_t kSlotStampBytes = 64;
@@ -100,43 +114,46 @@ void futexWake(std::atomic<uint32_t>* word);
 
 // Fails `op` if this transport or any rank aborted the group (the segment's
 // flag goes up before a failing rank publishes its error: see DESIGN.md).
-void throwIfAborted(tcp::TcpTransport& tcp, Segment& seg, const OpInfo& op);
+void throwIfAborted(Mesh& mesh, Segment& seg, const OpInfo& op);
 
 // How a rank waits for its peers in the segment, for every wait alike:
-// busy-poll for RINGREDUCE_SPIN_US, then yield for RINGREDUCE_YIELD_US, then
-// sleep on its doorbell a few ms at a time. Each idle pass checks the group's
+// busy-poll, then yield, then sleep on its doorbell a few ms at a time, as
+// the mesh's WaitPolicy says. Each idle pass checks the group's
 // abort flag and the op's deadline; each sleep also checks the peers still
 // waited for, and one whose connection closed fails the op if the next full
 // pass moves nothing (it may have finished its part and exited).
 class PeerWait {
  public:
-  PeerWait(tcp::TcpTransport& tcp, Segment& seg, int rank, const OpInfo& op);
+  // `local`: this rank's index in the segment.
+  PeerWait(Mesh& mesh, Segment& seg, int local, const OpInfo& op);
 
   // The last pass moved something: spin again, forget a closed peer.
   void moved();
   // The last full pass moved nothing. Throws as above; calls onTimeout (which
   // must throw) past the deadline; else spins, yields or sleeps, unless
   // ready() (looked at after arming the doorbell) says there is work already.
-  // waitingOn(out) fills the peers still waited for.
+  // waitingOn(out) fills the peers still waited for (ranks of the group).
   void idle(const std::function<bool()>& ready,
             const std::function<void(std::vector<int>&)>& waitingOn,
             const std::function<void()>& onTimeout);
 
  private:
-  tcp::TcpTransport& tcp_;
+  Mesh& mesh_;
   Segment& seg_;
   Doorbell& mine_;
   const OpInfo& op_;
-  tcp::Clock::time_point idleSince_;
+  Clock::time_point idleSince_;
   int gone_ = -1;  // a peer whose connection closed; fatal if a full pass then moves nothing
   std::vector<int> peers_;
 };
 
-// shm_transport.cpp: the transport over a mapped segment (it unmaps it).
-std::unique_ptr<Transport> makeShmTransport(std::unique_ptr<tcp::TcpTransport> tcp, int rank,
-                                            void* base, const Layout& layout);
+// shm_transport.cpp: the transport over a mapped segment (it unmaps it);
+// point-to-point goes to `p2p`.
+std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology,
+                                            Members members, void* base, const Layout& layout);
 // shm_direct.cpp: the segment's staging areas as SharedBuffers.
-std::unique_ptr<SharedBuffers> makeSharedBuffers(tcp::TcpTransport& tcp, Segment& seg, int rank);
+std::unique_ptr<SharedBuffers> makeSharedBuffers(Mesh& mesh, Segment& seg,
+                                                 const Members& members);
 
 }  // namespace shm
 }  // namespace ringreduce

@@ -1,5 +1,5 @@
-// Shared-memory transport set-up: is every rank on this host, the segment's
-// name, creation, mapping and unlinking (see shm_transport.h for the design).
+// Shared-memory transport set-up: the segment of this rank's host, its name,
+// creation, mapping and unlinking (see shm_transport.h for the design).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -10,7 +10,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <new>
 
 #include "common/env.h"
@@ -21,8 +20,6 @@ namespace ringreduce {
 namespace shm {
 namespace {
 
-using tcp::Clock;
-
 constexpr int64_t kDefaultRingBytes = 256 << 10;
 constexpr int64_t kMinRingBytes = 4 << 10;
 constexpr int64_t kMaxSegmentBytes = int64_t{256} << 20;
@@ -31,28 +28,6 @@ constexpr int64_t kMaxSegmentBytes = int64_t{256} << 20;
 constexpr int64_t kDefaultStagingBytes = 1 << 20;
 constexpr int64_t kMinStagingBytes = 4 << 10;
 constexpr int64_t kMaxStagingTotal = int64_t{64} << 20;
-
-std::string readFirstLine(const char* path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-std::string linkTarget(const char* path) {
-  char buf[256];
-  ssize_t n = ::readlink(path, buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, n) : std::string("?");
-}
-
-// Ranks with the same identity share /dev/shm and can futex on it.
-std::string hostIdentity() {
-  char host[256] = {0};
-  ::gethostname(host, sizeof(host) - 1);
-  return std::string(host) + "|" + readFirstLine("/proc/sys/kernel/random/boot_id") + "|" +
-         linkTarget("/proc/self/ns/pid") + "|" + linkTarget("/proc/self/ns/ipc") + "|" +
-         linkTarget("/proc/self/ns/net") + "|" + linkTarget("/proc/self/ns/mnt");
-}
 
 // The segment's sizes: staging areas of kDefaultStagingBytes (or the test
 // hook's) halved while all 2n of them would pass kMaxStagingTotal, then rings
@@ -133,32 +108,6 @@ void reclaimStaleSegments() {
   ::closedir(dir);
 }
 
-// Waits for the store key `key`, watching the TCP mesh meanwhile: a peer that
-// died (its connections closed) makes this give up at once. Returns "" when
-// the key appeared, else why not (`missing` at the deadline).
-std::string waitWatching(tcp::TcpTransport& tcp, const std::string& key, int rank, int size,
-                         Clock::time_point deadline, const std::string& missing) {
-  std::vector<int> peers;
-  for (int r = 0; r < size; ++r) {
-    if (r != rank) peers.push_back(r);
-  }
-  // One store call for the whole wait (a slow store is no error before the
-  // deadline); the mesh is looked at every 100 ms meanwhile.
-  int gone = -1;
-  auto peerGone = [&] {
-    gone = tcp.closedPeer(peers);
-    return gone >= 0;
-  };
-  if (tcp.store().waitForUnless(key, deadline, "setting up shared memory", peerGone,
-                                std::chrono::milliseconds(100))) {
-    return "";
-  }
-  if (gone >= 0) {
-    return "rank " + std::to_string(gone) + " left during the set-up (it died or failed)";
-  }
-  return missing;
-}
-
 }  // namespace
 
 // Test seams, set from Python by the fault tests only.
@@ -167,83 +116,76 @@ ShmTestHooks& hooks() {
   return h;
 }
 
-std::unique_ptr<Transport> overSharedMemory(std::unique_ptr<tcp::TcpTransport> tcp,
-                                            const c10::intrusive_ptr<c10d::Store>& store,
-                                            int rank, int size,
-                                            std::chrono::milliseconds timeout) {
-  (void)store;  // every call goes through tcp->store(), bounded by the deadline
-  if (size <= 1 || envInt(kEnvShm, 1) == 0) return tcp;
-  const auto deadline = Clock::now() + timeout;
+std::unique_ptr<Transport> attach(Mesh& mesh, Transport& p2p, const Topology& topology,
+                                  Clock::time_point deadline) {
+  const int rank = mesh.rank(), size = mesh.size();
   const std::string prefix = rankPrefix(rank, size);
-  StoreCalls& st = tcp->store();
+  StoreCalls& st = mesh.store();
   const std::string what = "setting up shared memory";
-  // Reads a key another rank sets, giving up early if a peer dies.
+  Members members(topology.hosts[topology.hostOf[rank]], size, rank);
+  const int leader = members.ranks[0];
+  std::vector<int> everyone, hostPeers;
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) everyone.push_back(r);
+  }
+  for (int r : members.ranks) {
+    if (r != rank) hostPeers.push_back(r);
+  }
+  // Reads a key another rank of this host sets, giving up early if one dies.
   auto getWatched = [&](const std::string& key, const std::string& missing) {
-    std::string why = waitWatching(*tcp, key, rank, size, deadline, missing);
+    std::string why = awaitKeyWatching(mesh, key, hostPeers, deadline, what, missing);
     if (!why.empty()) throwTransportError(prefix + " " + what + ": " + why);
     return st.get(key, deadline, what, missing);
   };
-  // 1. Same host? Every rank publishes its identity and reads all of them, so
-  //    all ranks reach the same answer.
-  const std::string me = hostIdentity();
-  st.set(tcp->storeKey("shm/host/" + std::to_string(rank)), me, deadline, what);
-  for (int r = 0; r < size; ++r) {
-    const std::string theirs =
-        getWatched(tcp->storeKey("shm/host/" + std::to_string(r)),
-                   "rank " + std::to_string(r) +
-                       " did not publish its host within the group timeout (did it die?)");
-    if (theirs != me) {
-      if (debugEnabled()) {
-        fprintf(stderr, "%s shared memory not used: rank %d is on another host (%s, here %s)\n",
-                prefix.c_str(), r, theirs.c_str(), me.c_str());
-      }
-      return tcp;
-    }
-  }
-  // 2. Sizes: see layoutFor.
-  const Layout layout = layoutFor(size);
+  auto hostKey = [&](const std::string& name) {
+    return mesh.storeKey("shm/" + std::to_string(leader) + "/" + name);
+  };
+  // 1. Sizes: see layoutFor (every rank of the host computes the same).
+  const Layout layout = layoutFor(members.size());
   const size_t bytes = layout.total;
   const int64_t ringBytes = static_cast<int64_t>(layout.ringBytes);
   const int64_t stagingBytes = static_cast<int64_t>(layout.stagingBytes);
-  // 3. Rank 0 publishes the name, then creates the segment; every rank maps
-  //    it and reports; all use it only if all mapped it. The name is in the
-  //    store before the segment exists, so whichever rank outlives a crash can
-  //    unlink it; every rank does, once all have reported or given up.
+  // 2. The host's lowest rank publishes the name, then creates the segment;
+  //    every rank of the host maps it. The name is in the store before the
+  //    segment exists, so whichever rank outlives a crash can unlink it;
+  //    every rank does, once all have reported or given up. A rank alone on
+  //    its host has nothing to map.
   std::string name, why;
   void* base = nullptr;
-  if (rank == 0) {
+  if (members.size() >= 2 && rank == leader) {
     reclaimStaleSegments();
     name = "/" + segmentPrefix() + std::to_string(::getpid()) + "-" +
            std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
-    st.set(tcp->storeKey("shm/name"), name, deadline, what);
+    st.set(hostKey("name"), name, deadline, what);
     base = mapSegment(name, bytes, true, &why);
     if (base != nullptr) {
       auto* h = new (base) SegmentHeader();
       h->magic = kSegmentMagic;
-      h->size = size;
+      h->size = members.size();
       h->ringBytes = ringBytes;
       h->stagingBytes = stagingBytes;
       h->aborted.store(0);
       // Doorbells and ring counters start at zero (fresh pages are zeroed).
       if (hooks().dieAfterCreate) ::raise(SIGKILL);
     }
-    st.set(tcp->storeKey("shm/created"), base != nullptr ? "1" : "0", deadline, what);
-  } else {
-    name = getWatched(tcp->storeKey("shm/name"),
-                      "rank 0 did not name the shared-memory segment within the group timeout");
+    st.set(hostKey("created"), base != nullptr ? "1" : "0", deadline, what);
+  } else if (members.size() >= 2) {
+    const std::string lead = "rank " + std::to_string(leader);
+    name = getWatched(hostKey("name"),
+                      lead + " did not name the shared-memory segment within the group timeout");
     std::string created;
     try {
-      created = getWatched(tcp->storeKey("shm/created"),
-                           "rank 0 did not create the shared-memory segment within the group "
-                           "timeout");
+      created = getWatched(hostKey("created"),
+                           lead + " did not create the shared-memory segment within the group "
+                                  "timeout");
     } catch (...) {
-      ::shm_unlink(name.c_str());  // rank 0 may have died after creating it
+      ::shm_unlink(name.c_str());  // the creator may have died after creating it
       throw;
     }
     if (created == "1") {
       base = mapSegment(name, bytes, false, &why);
       auto* h = static_cast<SegmentHeader*>(base);
-      if (base != nullptr && (h->magic != kSegmentMagic || h->size != size ||
+      if (base != nullptr && (h->magic != kSegmentMagic || h->size != members.size() ||
                               h->ringBytes != ringBytes || h->stagingBytes != stagingBytes)) {
         why = "segment header does not match this group";
         ::munmap(base, bytes);
@@ -251,33 +193,40 @@ std::unique_ptr<Transport> overSharedMemory(std::unique_ptr<tcp::TcpTransport> t
       }
     }
   }
-  st.add(tcp->storeKey("shm/ok"), base != nullptr ? 1 : 0, deadline, what);
-  if (st.add(tcp->storeKey("shm/reported"), 1, deadline, what) == size) {
-    st.set(tcp->storeKey("shm/all"), "1", deadline, what);
+  // 3. Every rank of the group reports; shared memory is used only if every
+  //    rank that has local peers mapped its host's segment, so the choice of
+  //    algorithms (which depends on it) is the same everywhere.
+  const bool ok = members.size() < 2 || base != nullptr;
+  st.add(mesh.storeKey("shm/ok"), ok ? 1 : 0, deadline, what);
+  if (st.add(mesh.storeKey("shm/reported"), 1, deadline, what) == size) {
+    st.set(mesh.storeKey("shm/all"), "1", deadline, what);
   }
   const std::string missing =
-      waitWatching(*tcp, tcp->storeKey("shm/all"), rank, size, deadline,
-                   "not every rank reported within the group timeout");
+      awaitKeyWatching(mesh, mesh.storeKey("shm/all"), everyone, deadline, what,
+                       "not every rank reported within the group timeout");
   if (!name.empty()) ::shm_unlink(name.c_str());  // idempotent; the mappings stay
   if (!missing.empty()) {
     if (base != nullptr) ::munmap(base, bytes);
     throwTransportError(prefix + " " + what + ": " + missing);
   }
-  const bool allMapped = st.add(tcp->storeKey("shm/ok"), 0, deadline, what) == size;
+  const bool allMapped = st.add(mesh.storeKey("shm/ok"), 0, deadline, what) == size;
   if (!allMapped) {
     if (base != nullptr) ::munmap(base, bytes);
     if (debugEnabled()) {
       fprintf(stderr, "%s shared memory not used (%s); staying on TCP\n", prefix.c_str(),
-              why.empty() ? "another rank could not map it" : why.c_str());
+              why.empty() ? "a rank of the group could not map its segment" : why.c_str());
     }
-    return tcp;
+    return nullptr;
   }
+  if (base == nullptr) return nullptr;  // alone on this host
   if (debugEnabled()) {
-    fprintf(stderr, "%s shared memory: %zu bytes, %lld-byte rings, %lld-byte staging areas\n",
-            prefix.c_str(), bytes, static_cast<long long>(ringBytes),
+    fprintf(stderr,
+            "%s shared memory with %d rank(s) of this host: %zu bytes, %lld-byte rings, "
+            "%lld-byte staging areas\n",
+            prefix.c_str(), members.size(), bytes, static_cast<long long>(ringBytes),
             static_cast<long long>(stagingBytes));
   }
-  return makeShmTransport(std::move(tcp), rank, base, layout);
+  return makeShmTransport(mesh, p2p, topology, std::move(members), base, layout);
 }
 
 }  // namespace shm

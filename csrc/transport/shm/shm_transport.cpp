@@ -18,10 +18,12 @@ using RecvState = RecvProgress;
 
 class ShmTransport : public Transport {
  public:
-  ShmTransport(std::unique_ptr<tcp::TcpTransport> tcp, int rank, void* base, const Layout& layout)
-      : tcp_(std::move(tcp)), rank_(rank), size_(layout.size), base_(base), seg_(base, layout),
+  ShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology, Members members,
+               void* base, const Layout& layout)
+      : mesh_(mesh), p2p_(p2p), topology_(topology), members_(std::move(members)),
+        rank_(members_.me), size_(layout.size), base_(base), seg_(base, layout),
         ringBytes_(layout.ringBytes) {
-    shared_ = makeSharedBuffers(*tcp_, seg_, rank_);
+    shared_ = makeSharedBuffers(mesh_, seg_, members_);
   }
 
   ~ShmTransport() override {
@@ -35,36 +37,41 @@ class ShmTransport : public Transport {
 
   void postSend(const OpInfo& op, int peer, uint64_t tag, const void* data, size_t bytes,
                 P2PCallback done) override {
-    tcp_->postSend(op, peer, tag, data, bytes, std::move(done));
+    p2p_.postSend(op, peer, tag, data, bytes, std::move(done));
   }
   void postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, size_t bytes,
                 P2PCallback done) override {
-    tcp_->postRecv(op, peer, tag, data, bytes, std::move(done));
+    p2p_.postRecv(op, peer, tag, data, bytes, std::move(done));
   }
 
   // Every rank that fails an op raises the segment's flag before anything
   // else, so a flag still down means no peer abandoned this op.
-  void confirm(const OpInfo& op) override { throwIfAborted(*tcp_, seg_, op); }
+  void confirm(const OpInfo& op) override { throwIfAborted(mesh_, seg_, op); }
 
   void abort(const std::string& reason) override {
     seg_.header().aborted.store(1);
     for (int r = 0; r < size_; ++r) seg_.ring(r);
-    tcp_->abort(reason);
+    mesh_.abort(reason);
   }
-  std::string abortReason() const override { return tcp_->abortReason(); }
+  std::string abortReason() const override { return mesh_.abortReason(); }
   std::string name() const override { return "shm"; }
-  void close() override { tcp_->close(); }
+  Mesh& mesh() override { return mesh_; }
+  const Topology& topology() const override { return topology_; }
+  void close() override {}  // the segment is unmapped by the destructor
   SharedBuffers* sharedBuffers() override { return shared_.get(); }
 
  private:
   // Copies as much of the message as the ring to s.peer has room for.
+  int local(int peer) const { return members_.local[peer]; }
+
   bool progressSend(SendState& s) {
-    RingControl& c = seg_.control(rank_, s.spec->peer);
+    const int to = local(s.spec->peer);
+    RingControl& c = seg_.control(rank_, to);
     const uint64_t head = c.head.load(std::memory_order_relaxed);
     const uint64_t room = ringBytes_ - (head - c.tail.load(std::memory_order_acquire));
     const size_t n = std::min<size_t>(room, s.total() - s.done);
     if (n == 0) return false;
-    char* ringBase = seg_.ringData(rank_, s.spec->peer);
+    char* ringBase = seg_.ringData(rank_, to);
     for (size_t written = 0; written < n;) {
       const size_t at = (head + written) % ringBytes_;
       size_t piece = std::min(n - written, ringBytes_ - at);
@@ -81,19 +88,20 @@ class ShmTransport : public Transport {
     }
     c.head.store(head + n, std::memory_order_release);
     s.done += n;
-    seg_.ring(s.spec->peer);
+    seg_.ring(to);
     return true;
   }
 
   // Takes what the ring from r.peer holds, up to the end of this message.
   bool progressRecv(const OpInfo& op, RecvState& r) {
-    RingControl& c = seg_.control(r.spec->peer, rank_);
+    const int from = local(r.spec->peer);
+    RingControl& c = seg_.control(from, rank_);
     const uint64_t tail = c.tail.load(std::memory_order_relaxed);
     const uint64_t avail = c.head.load(std::memory_order_acquire) - tail;
     const size_t want = (sizeof(WireHeader) - r.headerDone) + (r.spec->bytes - r.dataDone);
     const size_t n = std::min<size_t>(avail, want);
     if (n == 0) return false;
-    const char* ringBase = seg_.ringData(r.spec->peer, rank_);
+    const char* ringBase = seg_.ringData(from, rank_);
     size_t taken = 0;
     while (taken < n) {
       const size_t at = (tail + taken) % ringBytes_;
@@ -107,7 +115,7 @@ class ShmTransport : public Transport {
           c.tail.store(tail + taken, std::memory_order_release);
           std::string err = headerMismatch(op, *r.spec, r.header);
           if (!err.empty()) {
-            tcp_->failOp(op, r.spec->peer, err + " (received 0 of " +
+            mesh_.failOp(op, r.spec->peer, err + " (received 0 of " +
                                                std::to_string(r.spec->bytes) + " bytes)");
           }
         }
@@ -118,7 +126,7 @@ class ShmTransport : public Transport {
       }
     }
     c.tail.store(tail + n, std::memory_order_release);
-    seg_.ring(r.spec->peer);  // the producer may be waiting for room
+    seg_.ring(from);  // the producer may be waiting for room
     if (r.spec->onProgress && r.headerDone == sizeof(WireHeader) && r.dataDone > 0) {
       r.spec->onProgress(r.dataDone);
     }
@@ -129,21 +137,24 @@ class ShmTransport : public Transport {
   bool ready(const std::vector<SendState>& ss, const std::vector<RecvState>& rs) {
     for (auto& s : ss) {
       if (s.done < s.total()) {
-        const RingControl& c = seg_.control(rank_, s.spec->peer);
+        const RingControl& c = seg_.control(rank_, local(s.spec->peer));
         if (c.head.load() - c.tail.load() < ringBytes_) return true;
       }
     }
     for (auto& r : rs) {
       if (!r.finished()) {
-        const RingControl& c = seg_.control(r.spec->peer, rank_);
+        const RingControl& c = seg_.control(local(r.spec->peer), rank_);
         if (c.head.load() != c.tail.load()) return true;
       }
     }
     return false;
   }
 
-  std::unique_ptr<tcp::TcpTransport> tcp_;
-  const int rank_;
+  Mesh& mesh_;
+  Transport& p2p_;
+  const Topology topology_;
+  const Members members_;
+  const int rank_;  // local indices: the segment's (peers arrive as ranks of the group)
   const int size_;
   void* base_;
   Segment seg_;
@@ -153,11 +164,11 @@ class ShmTransport : public Transport {
 
 void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
                             std::vector<RecvSpec>& recvs) {
-  throwIfAborted(*tcp_, seg_, op);
+  throwIfAborted(mesh_, seg_, op);
   std::vector<SendState> ss;
   std::vector<RecvState> rs;
   startProgress(op, sends, recvs, &ss, &rs);
-  PeerWait wait(*tcp_, seg_, rank_, op);
+  PeerWait wait(mesh_, seg_, rank_, op);
   const std::function<bool()> readyNow = [&] { return ready(ss, rs); };
   const std::function<void(std::vector<int>&)> open = [&](std::vector<int>& peers) {
     for (auto& x : ss) if (x.done < x.total()) peers.push_back(x.spec->peer);
@@ -165,7 +176,7 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
   };
   const std::function<void()> timedOut = [&] {
     auto [peer, what] = timeoutReport(op, ss, rs);
-    tcp_->failTimeout(op, peer, what);
+    mesh_.failTimeout(op, peer, what);
   };
   while (true) {
     bool progress = false, pending = false;
@@ -192,9 +203,9 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
 
 }  // namespace
 
-std::unique_ptr<Transport> makeShmTransport(std::unique_ptr<tcp::TcpTransport> tcp, int rank,
-                                            void* base, const Layout& layout) {
-  return std::make_unique<ShmTransport>(std::move(tcp), rank, base, layout);
+std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology,
+                                            Members members, void* base, const Layout& layout) {
+  return std::make_unique<ShmTransport>(mesh, p2p, topology, std::move(members), base, layout);
 }
 
 }  // namespace shm

@@ -1,52 +1,56 @@
-// Shared-memory transport for a group whose ranks all run on one host (same
-// hostname, boot, and pid, ipc and network namespaces). gloo has none; on one
-// host it replaces two trips through the kernel's loopback per message with a
-// copy into and out of a ring buffer the peer maps too.
+// Shared-memory transport among the ranks of a group that run on one host
+// (same hostname, boot, and pid, ipc, network and mount namespaces: see
+// transport/factory.cpp). gloo has none; on one host it replaces two trips
+// through the kernel's loopback per message with a copy into and out of a ring
+// buffer the peer maps too. In a group spread over several hosts each host's
+// ranks get their own segment, and the factory routes every other peer to TCP.
 //
-// Layout: one POSIX shared-memory segment per group, created by rank 0 and
-// unlinked once every rank has mapped it. A ring buffer (single producer,
-// single consumer, byte stream) per ordered pair of ranks carries the same
-// framing as TCP (a WireHeader, checked field by field, then the payload), and
-// a doorbell (a futex word) per rank wakes a rank sleeping on any of its rings.
-// A waiting rank busy-polls, then yields, then sleeps on its doorbell (the
-// RINGREDUCE_SPIN_US / RINGREDUCE_YIELD_US budgets of the TCP transport).
+// Layout: one POSIX shared-memory segment per host of the group, created by
+// the host's lowest rank and unlinked once every rank has mapped it. A ring
+// buffer (single producer, single consumer, byte stream) per ordered pair of
+// local ranks carries the same framing as TCP (a WireHeader, checked field by
+// field, then the payload), and a doorbell (a futex word) per rank wakes a
+// rank sleeping on any of its rings. A waiting rank busy-polls, then yields,
+// then sleeps on its doorbell, as the mesh's WaitPolicy says.
 //
 // The segment also holds two staging areas and two round flags per rank for
-// the two-step all-reduce, which reads peers' data in place (SharedBuffers,
-// shm_direct.cpp); its waits follow the same policy (shm_segment.h).
+// the two-step and hierarchical all-reduces, which read peers' data in place
+// (SharedBuffers, shm_direct.cpp); their waits follow the same policy.
 //
-// The TCP mesh stays up underneath: point-to-point runs on it, and it is how
-// failures travel. A sleeping rank polls its peers' (otherwise idle) collective
-// sockets, so a peer that dies (closing them) is named within milliseconds; an
-// abort sets a flag in the segment, rings every doorbell and aborts the TCP
-// transport (which publishes the error in the store and shuts the sockets).
+// The mesh (transport/mesh.h, TCP) stays up underneath: point-to-point runs on
+// it, and it is how failures travel. A sleeping rank polls its peers'
+// (otherwise idle) collective sockets, so a peer that dies (closing them) is
+// named within milliseconds; an abort sets a flag in the segment, rings every
+// doorbell and aborts the mesh (which publishes the error in the store and
+// shuts the sockets).
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
+#include <chrono>
 #include <memory>
 
-#include "transport/tcp/tcp_transport.h"
+#include "transport/mesh.h"
+#include "transport/transport.h"
 
 namespace ringreduce {
 namespace shm {
 
 // Test seams (the fault tests set them directly; never an environment variable).
 struct ShmTestHooks {
-  bool dieAfterCreate = false;  // rank 0 SIGKILLs itself right after creating the segment
+  bool dieAfterCreate = false;  // the creator SIGKILLs itself right after creating the segment
   // Bytes of each staging area of the two-step all-reduce in groups created
   // from now on (0: the default); every rank must set the same.
   int64_t stagingBytes = 0;
 };
 ShmTestHooks& hooks();
 
-// The transport for the group: shared memory over `tcp` when every rank is on
-// this host and every rank mapped the segment (all ranks decide alike through
-// the store), else `tcp` itself. Collective: every rank calls it.
-std::unique_ptr<Transport> overSharedMemory(std::unique_ptr<tcp::TcpTransport> tcp,
-                                            const c10::intrusive_ptr<c10d::Store>& store,
-                                            int rank, int size,
-                                            std::chrono::milliseconds timeout);
+// Shared memory among this rank's host's ranks (topology.hosts), or null when
+// the group does not use it: a rank alone on its host, or any rank of any host
+// could not map its segment (every rank decides alike through the store, so
+// the group's algorithms agree). Collective over the whole group: every rank
+// calls it. Point-to-point of the returned transport goes to `p2p`; `mesh`
+// and `p2p` must outlive it. Throws past `deadline` or when a peer dies.
+std::unique_ptr<Transport> attach(Mesh& mesh, Transport& p2p, const Topology& topology,
+                                  std::chrono::steady_clock::time_point deadline);
 
 }  // namespace shm
 }  // namespace ringreduce

@@ -97,7 +97,8 @@ std::string storeHost(const c10::intrusive_ptr<c10d::Store>& store) {
 
 TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                            std::chrono::milliseconds timeout)
-    : store_(std::move(store), rankPrefix(rank, size)), rank_(rank), size_(size), wait_(size) {
+    : store_(std::move(store), rankPrefix(rank, size)), rank_(rank), size_(size),
+      topology_(Topology::singleHost(size)), wait_(size) {
   for (auto& channel : fds_) channel.assign(size, -1);
   peerAddr_.assign(size, "");
   if (size > 1) {

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/mesh.h"
 #include "transport/store_calls.h"
 #include "transport/tcp/socket.h"
 #include "transport/transport.h"
@@ -31,7 +32,9 @@ struct PendingHello;
 
 enum Channel : int32_t { kCollective = 0, kP2P = 1, kNumChannels = 2 };
 
-class TcpTransport : public Transport {
+// The TCP data path and the group's Mesh (transport/mesh.h) in one: the
+// collective connections carry data on TCP and carry failures for every path.
+class TcpTransport : public Transport, public Mesh {
  public:
   // Blocks until connected to every peer or the timeout passes (then throws,
   // naming the ranks that never connected).
@@ -51,36 +54,35 @@ class TcpTransport : public Transport {
   std::string name() const override { return "tcp"; }
   void close() override;
 
-  // For a transport layered over this one (shared memory), which keeps the
-  // collective connections idle and uses them only to learn of failures:
-  // fails `op` as a TCP transfer would (aborts, publishes, throws). A timeout
-  // also works out, through the store, which rank the waits lead to.
-  [[noreturn]] void failOp(const OpInfo& op, int peer, const std::string& what) {
+  Mesh& mesh() override { return *this; }
+  // One host until the factory, which learns the layout, says otherwise.
+  const Topology& topology() const override { return topology_; }
+  void setTopology(Topology topology) { topology_ = std::move(topology); }
+
+  // Mesh (transport/mesh.h). Fails as a TCP transfer would (aborts,
+  // publishes, throws); a timeout also works out, through the store, which
+  // rank the waits lead to.
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  [[noreturn]] void failOp(const OpInfo& op, int peer, const std::string& what) override {
     fail(op, peer, what, false);
   }
-  [[noreturn]] void failTimeout(const OpInfo& op, int peer, const std::string& what) {
+  [[noreturn]] void failTimeout(const OpInfo& op, int peer, const std::string& what) override {
     fail(op, peer, what, true);
   }
-  // A peer is known to have aborted (the shared-memory flag): waits, briefly
-  // and best effort, until its error is in the store, so that failOp() can
-  // name it. The flag goes up before the peer publishes (one op, one outcome).
-  void awaitPeerError();
+  void awaitPeerError() override;
   // The first of `peers` whose idle collective connection became readable
   // (it closed: the peer exited or aborted), or -1. Never blocks.
-  int closedPeer(const std::vector<int>& peers);
-  // This group's store key for `name` (keys of a re-created group differ).
-  std::string storeKey(const std::string& name) const { return storeBase_ + name; }
-  StoreCalls& store() { return store_; }
-  // How a waiting rank spends its idle time (shared with the shm transport).
-  WaitPolicy& waitPolicy() { return wait_; }
-  bool aborted() const { return aborted_; }
-
-  // "ip:port" this rank accepts connections on (empty for a group of one).
-  std::string listenAddress() const;
+  int closedPeer(const std::vector<int>& peers) override;
+  std::string storeKey(const std::string& name) const override { return storeBase_ + name; }
+  StoreCalls& store() override { return store_; }
+  WaitPolicy& waitPolicy() override { return wait_; }
+  bool aborted() const override { return aborted_; }
+  std::string listenAddress() const override;
   // Why the most recent refused connections were refused (at most
   // kKeptRefusals; logged to stderr at a limited rate), and how many in all.
-  std::vector<std::string> refusedConnections() const;
-  uint64_t refusedCount() const;
+  std::vector<std::string> refusedConnections() const override;
+  uint64_t refusedCount() const override;
   static constexpr size_t kKeptRefusals = 64;
 
  private:
@@ -114,6 +116,7 @@ class TcpTransport : public Transport {
   const int rank_;
   const int size_;
   std::string storeBase_;
+  Topology topology_;
   std::string secret_;  // hex, 64 chars
   int listenFd_ = -1;
   int wakePipe_[2] = {-1, -1};  // written by close() to stop the accept thread

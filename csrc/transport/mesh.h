@@ -1,0 +1,64 @@
+// The group's control plane, apart from any data path: the rendezvous through
+// the store, authentication, failure detection and abort, and the first error
+// published in the group. The TCP transport implements it (its connections
+// are how failures travel even when the data goes through shared memory), and
+// every other data path (shm/) and the backend reach it only through here.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "transport/store_calls.h"
+#include "transport/transport.h"
+#include "transport/wait_policy.h"
+
+namespace ringreduce {
+
+class Mesh {
+ public:
+  virtual ~Mesh() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // The store, with deadlines, and this group's key for `name` (the keys of a
+  // re-created group differ).
+  virtual StoreCalls& store() = 0;
+  virtual std::string storeKey(const std::string& name) const = 0;
+
+  // Fails `op` as a failed transfer would: aborts the group, publishes the
+  // error (the first one is named in every rank's message) and throws a
+  // DistBackendError naming rank, op, peer (a rank of the whole group, or -1)
+  // and `what`. A timeout also follows, through the store, whom the ranks wait
+  // for.
+  [[noreturn]] virtual void failOp(const OpInfo& op, int peer, const std::string& what) = 0;
+  [[noreturn]] virtual void failTimeout(const OpInfo& op, int peer, const std::string& what) = 0;
+  // A peer is known to have aborted: waits, briefly and best effort, until its
+  // error is in the store, so that failOp() can name it.
+  virtual void awaitPeerError() = 0;
+  // The first of `peers` known to be gone (its connection closed: it exited
+  // or aborted), or -1. Never blocks.
+  virtual int closedPeer(const std::vector<int>& peers) = 0;
+  virtual void abort(const std::string& reason) = 0;
+  virtual bool aborted() const = 0;
+  virtual std::string abortReason() const = 0;
+
+  // How a waiting rank spends its idle time (shared by every data path).
+  virtual WaitPolicy& waitPolicy() = 0;
+
+  // "ip:port" this rank accepts connections on (empty for a group of one),
+  // and the connections it refused (the last few, and how many in all).
+  virtual std::string listenAddress() const = 0;
+  virtual std::vector<std::string> refusedConnections() const = 0;
+  virtual uint64_t refusedCount() const = 0;
+};
+
+// Waits for the store key `key`, watching the mesh meanwhile: a peer in
+// `peers` that is gone makes this give up at once. Returns "" when the key
+// appeared, else why not (`missing` at the deadline). `what` names the wait.
+std::string awaitKeyWatching(Mesh& mesh, const std::string& key, const std::vector<int>& peers,
+                             std::chrono::steady_clock::time_point deadline,
+                             const std::string& what, const std::string& missing);
+
+}  // namespace ringreduce

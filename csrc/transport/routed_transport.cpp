@@ -1,0 +1,164 @@
+// RoutedTransport: per-peer data paths (see routed_transport.h).
+#include "transport/routed_transport.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "transport/mesh.h"
+
+namespace ringreduce {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One long-lived helper thread that runs one job at a time for the caller,
+// which waits for it (a thread per exchange would cost its start-up each time).
+class Helper {
+ public:
+  ~Helper() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void start(std::function<void()> job) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    job_ = std::move(job);
+    done_ = false;
+    cv_.notify_all();
+  }
+
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || job_; });
+      if (stop_) return;
+      auto job = std::move(job_);
+      job_ = nullptr;
+      lock.unlock();
+      job();
+      lock.lock();
+      done_ = true;
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::function<void()> job_;  // guarded by mu_
+  bool done_ = true;           // guarded by mu_
+  bool stop_ = false;          // guarded by mu_
+  std::thread thread_;
+};
+
+class RoutedTransport : public Transport {
+ public:
+  RoutedTransport(std::unique_ptr<Transport> tcp, std::unique_ptr<Transport> shm)
+      : tcp_(std::move(tcp)), shm_(std::move(shm)) {
+    const Topology& t = tcp_->topology();
+    const int rank = tcp_->mesh().rank();
+    onHost_.assign(t.hostOf.size(), false);
+    for (int r : t.hosts[t.hostOf[rank]]) onHost_[r] = r != rank;
+    mixed_ = t.hosts.size() > 1;
+  }
+
+  ~RoutedTransport() override { close(); }
+
+  std::string name() const override { return mixed_ ? "shm+tcp" : "shm"; }
+  Mesh& mesh() override { return tcp_->mesh(); }
+  const Topology& topology() const override { return tcp_->topology(); }
+  SharedBuffers* sharedBuffers() override { return shm_->sharedBuffers(); }
+
+  void exchange(const OpInfo& op, std::vector<SendSpec>& sends,
+                std::vector<RecvSpec>& recvs) override {
+    bool viaShm = false, viaTcp = false;
+    for (const auto& s : sends) (onHost_[s.peer] ? viaShm : viaTcp) = true;
+    for (const auto& r : recvs) (onHost_[r.peer] ? viaShm : viaTcp) = true;
+    if (!viaTcp) return shm_->exchange(op, sends, recvs);
+    if (!viaShm) return tcp_->exchange(op, sends, recvs);
+    exchangeMixed(op, sends, recvs);
+  }
+
+  void postSend(const OpInfo& op, int peer, uint64_t tag, const void* data, size_t bytes,
+                P2PCallback done) override {
+    tcp_->postSend(op, peer, tag, data, bytes, std::move(done));
+  }
+  void postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, size_t bytes,
+                P2PCallback done) override {
+    tcp_->postRecv(op, peer, tag, data, bytes, std::move(done));
+  }
+
+  // The segment's flag covers this host's peers; TCP's abort frames the others.
+  void confirm(const OpInfo& op) override {
+    shm_->confirm(op);
+    if (mixed_) tcp_->confirm(op);
+  }
+  // Raises the segment's flag first (one op, one outcome), then aborts the mesh.
+  void abort(const std::string& reason) override { shm_->abort(reason); }
+  std::string abortReason() const override { return tcp_->abortReason(); }
+  void close() override {
+    shm_->close();
+    tcp_->close();
+  }
+
+ private:
+  // Splits the exchange by path; the TCP part runs on the helper. A failure
+  // on either side aborts the group, which ends the other side's wait at
+  // once; the first failure (in time) is what this rank raises.
+  void exchangeMixed(const OpInfo& op, std::vector<SendSpec>& sends,
+                     std::vector<RecvSpec>& recvs) {
+    std::vector<SendSpec> shmSends, tcpSends;
+    std::vector<RecvSpec> shmRecvs, tcpRecvs;
+    for (auto& s : sends) (onHost_[s.peer] ? shmSends : tcpSends).push_back(s);
+    for (auto& r : recvs) (onHost_[r.peer] ? shmRecvs : tcpRecvs).push_back(std::move(r));
+    std::exception_ptr tcpError, shmError;
+    Clock::time_point tcpAt, shmAt;
+    helper_.start([&] {
+      try {
+        tcp_->exchange(op, tcpSends, tcpRecvs);
+      } catch (const std::exception& err) {
+        tcpError = std::current_exception();
+        tcpAt = Clock::now();
+        abort(op.ctx.message(err.what()));
+      }
+    });
+    try {
+      shm_->exchange(op, shmSends, shmRecvs);
+    } catch (const std::exception& err) {
+      shmError = std::current_exception();
+      shmAt = Clock::now();
+      abort(op.ctx.message(err.what()));
+    }
+    helper_.wait();
+    if (tcpError && (!shmError || tcpAt < shmAt)) std::rethrow_exception(tcpError);
+    if (shmError) std::rethrow_exception(shmError);
+  }
+
+  std::unique_ptr<Transport> tcp_;
+  std::unique_ptr<Transport> shm_;  // declared after tcp_: destroyed first (it uses the mesh)
+  std::vector<bool> onHost_;        // per rank: a peer on this host (shared memory)
+  bool mixed_ = false;              // some peers are on other hosts
+  Helper helper_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> makeRoutedTransport(std::unique_ptr<Transport> tcp,
+                                               std::unique_ptr<Transport> shm) {
+  return std::make_unique<RoutedTransport>(std::move(tcp), std::move(shm));
+}
+
+}  // namespace ringreduce

@@ -1,0 +1,100 @@
+"""Groups spread over several "hosts" (network namespaces joined by a bridge,
+scripts/_netns.py): shared memory among each host's ranks, TCP between hosts,
+the hierarchical all-reduce where every host runs as many ranks. Every
+collective is checked against gloo or an fp64 closed form, all-reduce results
+bitwise across ranks (tests/_hosts_rank.py). Needs root; skipped otherwise."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import _netns  # noqa: E402
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layout(layout, mode="cases", timeout=240):
+    """Runs one rank per entry of `layout` (the host of each rank); returns
+    each rank's JSON report."""
+    try:
+        hosts = _netns.Hosts(max(layout) + 1)
+        hosts.__enter__()
+    except _netns.Unavailable as err:
+        pytest.skip(str(err))
+    try:
+        port = str(_free_port())
+        procs = []
+        for rank, host in enumerate(layout):
+            env = dict(os.environ, PYTHONPATH=REPO, RANK=str(rank), WORLD_SIZE=str(len(layout)),
+                       LOCAL_RANK="0", MASTER_PORT=port, OMP_NUM_THREADS="1", **hosts.env(host))
+            cmd = hosts.exec(host, [sys.executable, os.path.join(HERE, "_hosts_rank.py"), mode])
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        reports = []
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                pytest.fail(f"rank {rank} hung (layout {layout}, {mode})")
+            lines = out.strip().splitlines()
+            if mode == "fault" and rank == len(layout) - 1:
+                reports.append(None)  # it killed itself
+                continue
+            assert proc.returncode == 0 and lines, f"rank {rank} failed:\n{err[-4000:]}"
+            reports.append(json.loads(lines[-1]))
+        return reports
+    finally:
+        hosts.__exit__()
+
+
+def expected_kind(layout, rank):
+    return "shm+tcp" if layout.count(layout[rank]) > 1 else "tcp"
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param([0, 0, 1, 1], id="2hosts-x2"),
+    pytest.param([0, 1, 2, 0, 1, 2], id="3hosts-x2-interleaved"),
+    pytest.param([0, 0, 1], id="uneven-2+1"),
+])
+def test_collectives_across_hosts(layout):
+    reports = run_layout(layout)
+    failures = [f for r in reports for f in r["failures"]]
+    assert not failures, "\n".join(failures[:20])
+    for rank, r in enumerate(reports):
+        assert r["kind"] == expected_kind(layout, rank), (rank, r["kind"])
+
+
+def test_rank_death_on_other_host_fails_everyone_fast():
+    layout = [0, 0, 1, 1]
+    reports = run_layout(layout, mode="fault")
+    for rank, r in enumerate(reports[:-1]):
+        assert r["raised"], f"rank {rank} completed an all-reduce without rank 3"
+        assert r["seconds"] < 20, f"rank {rank} took {r['seconds']:.1f} s to notice"
+        assert "rank" in r["raised"] and "allreduce" in r["raised"].lower(), r["raised"]
+
+
+def test_choice_of_algorithm_on_several_hosts():
+    from torch_ringreduce import _C
+    # Multi-host with shared memory: direct while small, then hierarchical.
+    assert _C._choose_allreduce(16 << 10, 4, True, "auto", 2) == "direct"
+    assert _C._choose_allreduce((16 << 10) + 4, 4, True, "auto", 2) == "hierarchical"
+    assert _C._choose_allreduce(64 << 20, 6, True, "auto", 3) == "hierarchical"
+    # Without shared memory (or uneven hosts, which the backend passes as no
+    # shared memory): the TCP choice.
+    assert _C._choose_allreduce(64 << 20, 3, False, "auto", 2) == "ring"
+    # A forced algorithm that cannot run falls back to auto.
+    assert _C._choose_allreduce(64 << 20, 4, True, "two_step", 2) == "hierarchical"
+    assert _C._choose_allreduce(64 << 20, 4, True, "hierarchical", 1) == "two_step"
+    assert _C._choose_allreduce(64 << 20, 4, True, "ring", 2) == "ring"
