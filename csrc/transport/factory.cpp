@@ -97,6 +97,7 @@ std::unique_ptr<Transport> connectGroup(const c10::intrusive_ptr<c10d::Store>& s
   bool shmWanted = false;
   tcp->setTopology(learnTopology(*tcp, deadline, &shmWanted));
   const Topology& t = tcp->topology();
+  tcp->waitPolicy().setLocalRanks(static_cast<int>(t.hosts[t.hostOf[rank]].size()));
   if (debugEnabled()) {
     fprintf(stderr, "%s %zu host(s); this host's ranks: %zu\n", rankPrefix(rank, size).c_str(),
             t.hosts.size(), t.hosts[t.hostOf[rank]].size());

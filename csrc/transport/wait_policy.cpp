@@ -34,45 +34,47 @@ int runnableThreads() {
 
 WaitPolicy::WaitPolicy(int worldSize) {
   cores_ = std::max(1u, std::thread::hardware_concurrency());
-  const bool fits = static_cast<unsigned>(worldSize) <= cores_;
-  const int64_t spinDefault = fits ? kDefaultSpinUs : 0;
-  const int64_t yieldDefault = fits ? 0 : kDefaultYieldUs;
-  spinUs_ = envInt(kEnvSpinUs, spinDefault);
-  yieldUs_ = envInt(kEnvYieldUs, yieldDefault);
   adaptiveSpin_ = !envIsSet(kEnvSpinUs);
   adaptiveYield_ = !envIsSet(kEnvYieldUs);
+  setLocalRanks(worldSize);
 }
 
-bool WaitPolicy::machineBusy() {
+void WaitPolicy::setLocalRanks(int ranks) {
+  localRanks_ = std::max(1, ranks);
+  const bool fits = static_cast<unsigned>(localRanks_) <= cores_;
+  spinUs_ = envInt(kEnvSpinUs, fits ? kDefaultSpinUs : 0);
+  yieldUs_ = envInt(kEnvYieldUs, fits ? 0 : kDefaultYieldUs);
+}
+
+int WaitPolicy::runnable() {
   const int64_t now = nowNs();
   int64_t sampled = sampledAtNs_.load(std::memory_order_relaxed);
   if (now - sampled >= kSampleMs * 1000000 &&
       sampledAtNs_.compare_exchange_strong(sampled, now, std::memory_order_relaxed)) {
-    // This rank is one of the runnable threads: busy means others want every core.
-    const int running = runnableThreads();
-    busy_.store(running > static_cast<int>(cores_), std::memory_order_relaxed);
+    runnable_.store(runnableThreads(), std::memory_order_relaxed);
   }
-  return busy_.load(std::memory_order_relaxed);
+  return runnable_.load(std::memory_order_relaxed);
 }
 
 int64_t WaitPolicy::spinUs() {
   if (spinUs_ == 0) return 0;
-  return adaptiveSpin_ && machineBusy() ? 0 : spinUs_;
+  // This rank is one of the runnable threads: more than the cores means
+  // others want every core.
+  return adaptiveSpin_ && runnable() > static_cast<int>(cores_) ? 0 : spinUs_;
 }
 
 int64_t WaitPolicy::yieldUs() {
   if (yieldUs_ == 0) return 0;
-  if (adaptiveYield_ && nowNs() < noYieldUntilNs_.load(std::memory_order_relaxed)) return 0;
-  return yieldUs_;
+  // Waiting ranks that yield stay runnable: up to one per local rank is the
+  // group itself taking turns (one more: a stray thread, the sampler's own
+  // process); beyond that, threads outside the group hold the cores and a
+  // yield hands them a whole time slice.
+  const int ours = std::max(static_cast<int>(cores_), localRanks_) + 1;
+  return adaptiveYield_ && runnable() > ours ? 0 : yieldUs_;
 }
 
 void WaitPolicy::yield() {
-  const int64_t begin = nowNs();
   sched_yield();
-  const int64_t end = nowNs();
-  if (adaptiveYield_ && end - begin > kLateYieldUs * 1000) {
-    noYieldUntilNs_.store(end + kYieldBackoffMs * 1000000, std::memory_order_relaxed);
-  }
 }
 
 }  // namespace ringreduce

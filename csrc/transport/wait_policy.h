@@ -3,20 +3,23 @@
 // shares this core runs first), or sleep in the kernel (frees the core and
 // pays the scheduler's wake-up latency, tens of microseconds).
 //
-// Defaults: spin up to kDefaultSpinUs when the group fits in this machine's
-// cores, else yield up to kDefaultYieldUs. Both adapt to the machine unless
-// RINGREDUCE_SPIN_US / RINGREDUCE_YIELD_US are set (then they are fixed):
-//   - no spinning while the machine's runnable threads outnumber its cores
-//     (sampled from /proc/loadavg at most every kSampleMs): the spin would
-//     take a core from computation (DDP's backward, torch's intra-op threads,
-//     other jobs) and delay the very peer we wait for;
-//   - a sched_yield() that returns late (after kLateYieldUs: longer than a
-//     peer rank's step, as long as a time slice among a few threads) means a thread
-//     outside the group held this core for a time slice: yielding then hands
-//     the core away for milliseconds per message, where a sleeping rank is
-//     woken at once by its peer. Yielding stops for kYieldBackoffMs, then is
-//     tried again. (4 ranks on 2 cores with one busy process per core: a
-//     64 MiB all-reduce took 1.55 s yielding, 0.21 s sleeping.)
+// Defaults: spin up to kDefaultSpinUs when this host's ranks of the group fit
+// in its cores, else yield up to kDefaultYieldUs. Both adapt to the machine
+// unless RINGREDUCE_SPIN_US / RINGREDUCE_YIELD_US are set (then they are
+// fixed), from the machine's runnable threads (/proc/loadavg, sampled at most
+// every kSampleMs):
+//   - no spinning while the runnable threads outnumber the cores: the spin
+//     would take a core from computation (DDP's backward, torch's intra-op
+//     threads, other jobs) and delay the very peer we wait for;
+//   - no yielding while they outnumber max(cores, local ranks) + 1: ranks that
+//     yield stay runnable, so up to one per local rank is the group taking
+//     turns (4 ranks on 2 cores, nothing else running: yielding hands the
+//     core to the peer that has work; one more for a stray thread), and
+//     beyond that threads outside the group hold the cores, where a yield
+//     gives one of them a whole time slice per message and a sleeping rank
+//     is woken at once by its peer
+//     (4 ranks on 2 cores with one busy process per core: a 64 MiB
+//     all-reduce took 1.55 s yielding, 0.21 s sleeping).
 // Thread-safe: every thread of a transport shares one policy.
 #pragma once
 
@@ -28,30 +31,32 @@ namespace ringreduce {
 class WaitPolicy {
  public:
   explicit WaitPolicy(int worldSize);
+  // How many of the group's ranks run on this host (the world size until the
+  // layout is known): the defaults and the yield rule depend on it. Call
+  // before the first wait.
+  void setLocalRanks(int ranks);
 
   // The budgets for the wait that is starting now, in microseconds of idle time.
   int64_t spinUs();
   int64_t yieldUs();
-  // sched_yield(), timed: a late return turns yielding off for a while.
   void yield();
 
   static constexpr int64_t kDefaultSpinUs = 50;
   static constexpr int64_t kDefaultYieldUs = 200;
-  static constexpr int64_t kLateYieldUs = 1500;
-  static constexpr int64_t kYieldBackoffMs = 200;
   static constexpr int64_t kSampleMs = 20;
 
  private:
-  bool machineBusy();
+  // The machine's runnable threads at the last sample (-1: unknown).
+  int runnable();
 
-  int64_t spinUs_;
-  int64_t yieldUs_;
+  int64_t spinUs_ = 0;
+  int64_t yieldUs_ = 0;
   bool adaptiveSpin_;
   bool adaptiveYield_;
   unsigned cores_;
-  std::atomic<int64_t> noYieldUntilNs_{0};  // steady-clock time
+  int localRanks_ = 1;
   std::atomic<int64_t> sampledAtNs_{0};
-  std::atomic<bool> busy_{false};
+  std::atomic<int> runnable_{-1};
 };
 
 }  // namespace ringreduce
