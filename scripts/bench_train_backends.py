@@ -1,0 +1,79 @@
+"""Training throughput of ddp_cifar100.py on ringreduce against gloo, with torch
+using one or several threads per rank: runs alternate between the backends
+(ringreduce, gloo, ringreduce, ...) so both see the same machine, and the
+table gives the median samples/s of each and their ratio.
+
+    python scripts/bench_train_backends.py --nproc 2 --threads 1 2 --repeats 3
+
+Each run is `torchrun --standalone --nproc_per_node N scripts/ddp_cifar100.py
+--synthetic ...` with torch's DDP on both backends (--ddp torch --sync-bn none:
+only the backend differs) unless --train-args replaces the model arguments.
+Throughput is the run's training samples per second over all ranks
+(_train_util.summary). With --threads T and N ranks, N*T threads compute: at
+N*T above the cores, the cores are filled with compute while the all-reduces run.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_TRAIN = ("--synthetic --train-size 4096 --val-size 256 --epochs 1 --width 16 "
+                 "--batch-size 64 --ddp torch --sync-bn none --no-progress")
+
+
+def run_once(backend, threads, nproc, train_args, folder):
+    out = os.path.join(folder, f"{backend}_{threads}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", os.path.join(HERE, "ddp_cifar100.py"),
+           "--backend", backend, "--threads", str(threads), "--json", out, *train_args.split()]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{backend} with {threads} thread(s) failed:\n{done.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)["final"]["samples_per_s"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backends", nargs="+", default=["ringreduce", "gloo"])
+    p.add_argument("--train-args", default=DEFAULT_TRAIN,
+                   help=f"ddp_cifar100.py's arguments (default: {DEFAULT_TRAIN})")
+    p.add_argument("--json", help="write the runs and medians here")
+    args = p.parse_args()
+    rows, runs = [], {}
+    with tempfile.TemporaryDirectory() as folder:
+        for threads in args.threads:
+            for rep in range(args.repeats):
+                for backend in args.backends:
+                    rate = run_once(backend, threads, args.nproc, args.train_args, folder)
+                    runs.setdefault((threads, backend), []).append(rate)
+                    print(f"# {threads} thread(s), {backend}, run {rep + 1}: {rate:.1f} samples/s",
+                          flush=True)
+    base = args.backends[-1]
+    print(f"\n# {args.nproc} ranks; samples/s, median of {args.repeats} alternating runs")
+    print("| threads/rank | " + " | ".join(args.backends) +
+          "".join(f" | {b} / {base}" for b in args.backends[:-1]) + " |")
+    print("|---" * (1 + 2 * len(args.backends) - 1) + "|")
+    for threads in args.threads:
+        med = {b: statistics.median(runs[(threads, b)]) for b in args.backends}
+        rows.append({"threads": threads, "median_samples_per_s": med,
+                     "runs": {b: runs[(threads, b)] for b in args.backends}})
+        print(f"| {threads} | " + " | ".join(f"{med[b]:.1f}" for b in args.backends) +
+              "".join(f" | {med[b] / med[base]:.2f}" for b in args.backends[:-1]) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
