@@ -9,7 +9,7 @@ picks by transport:
   n == 1       nothing moves.
   direct       allreduceDirect: one step, every rank sends its whole buffer to every
                other and reduces the n buffers in rank order: (n-1)*S sent and
-               received per rank. TCP: S <= 16 KiB; shared memory: S <= 128 KiB at
+               received per rank. TCP: S <= 16 KiB; shared memory: S <= 64 KiB at
                2 ranks, S <= 4 KiB at 3 and more.
   ring (TCP)   allreduceRing (allreduce_ring.cpp): reduce-scatter then all-gather
                over the even split of the count into n blocks b_0..b_{n-1}
@@ -34,7 +34,7 @@ TrafficMeter reads what the backend counted, to set beside these forms.
 # to them (inclusive) take allreduceDirect. kDefaultStagingBytes in
 # csrc/transport/shm/shm_setup.cpp: the two-step all-reduce's chunk.
 DIRECT_ALLREDUCE_BYTES = 16 * 1024
-DIRECT_SHARED_2_BYTES = 128 * 1024
+DIRECT_SHARED_2_BYTES = 64 * 1024
 DIRECT_SHARED_BYTES = 4 * 1024
 STAGING_BYTES = 1 << 20
 

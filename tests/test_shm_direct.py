@@ -141,7 +141,7 @@ def test_strided_and_coalesced_inputs(worlds):
 
 
 @pytest.mark.parametrize("size,shared,bytes_,want", [
-    (2, True, 0, "direct"), (2, True, 128 << 10, "direct"), (2, True, (128 << 10) + 1, "two_step"),
+    (2, True, 0, "direct"), (2, True, 64 << 10, "direct"), (2, True, (64 << 10) + 1, "two_step"),
     (3, True, 4 << 10, "direct"), (3, True, (4 << 10) + 1, "two_step"),
     (4, True, 1000, "direct"), (4, True, 64 << 20, "two_step"), (8, True, 1 << 20, "two_step"),
     (2, False, 16 << 10, "direct"), (4, False, (16 << 10) + 1, "ring"),

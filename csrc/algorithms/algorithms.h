@@ -70,7 +70,7 @@ void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology&
 // to kDirectAllreduceBytes, then hierarchical.
 AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
                                    AllreduceAlgorithm forced, int hosts = 1);
-constexpr size_t kDirectShared2Bytes = 128 * 1024;  // 2 ranks
+constexpr size_t kDirectShared2Bytes = 64 * 1024;  // 2 ranks
 constexpr size_t kDirectSharedBytes = 4 * 1024;     // 3 ranks and more
 size_t directSharedBytes(int size);
 

@@ -6,15 +6,16 @@
 // a slice is worked through in pieces that stay in L1 across its n reads.
 //
 // Round k (chunk k), on every rank r:
-//   1. copy chunk k into r's staging area; publish "staged";
+//   1. copy chunk k, but for slice r (which only r reads), into r's staging
+//      area; publish "staged";
 //   2. once every rank staged: slice r of the chunk = rank 0's slice r op
 //      rank 1's op ... op rank n-1's (left to right), into r's output and back
 //      into r's staging area; publish "reduced";
 //   3. once every rank reduced: copy every other rank's slice from its
 //      staging area into the output.
 // Bytes per rank (what peers read of its data, and it of theirs): (n-1)/n of
-// the chunk in step 2 and (n-1)/n in step 3, as the ring. One copy in, n reads
-// and one copy out of shared memory per element, against the ring's 2(n-1)
+// the chunk in step 2 and (n-1)/n in step 3, as the ring. (n-1)/n copied in, n
+// reads and one copy out of shared memory per element, against the ring's 2(n-1)
 // pushes and pops through ring buffers; and 2 synchronisations per round
 // instead of 2(n-1) per slice.
 // Invariant: each element is reduced by exactly one rank, in rank order, and
@@ -34,15 +35,22 @@ constexpr size_t kPieceBytes = 16 << 10;
 
 // dst = srcs[0] op srcs[1] op ... (left to right) over `count` elements, also
 // copied to `copy` (this rank's staging area, which peers read back) unless
-// it is null.
-void reduceInOrder(char* dst, char* copy, const std::vector<const char*>& srcs, size_t count,
-                   size_t elemSize, ReduceFn fn) {
+// it is null. srcs[own] is dst itself (this rank's slice of its own buffer):
+// each piece of it is set aside in `scratch` before dst is written.
+void reduceInOrder(char* dst, char* copy, const std::vector<const char*>& srcs, size_t own,
+                   size_t count, size_t elemSize, ReduceFn fn) {
   const size_t pieceElems = std::max<size_t>(1, kPieceBytes / elemSize);
+  std::vector<char> scratch(own > 0 ? std::min(count, pieceElems) * elemSize : 0);
   for (size_t done = 0; done < count; done += pieceElems) {
     const size_t n = std::min(pieceElems, count - done);
     const size_t at = done * elemSize;
-    std::memcpy(dst + at, srcs[0] + at, n * elemSize);
-    for (size_t i = 1; i < srcs.size(); ++i) fn(dst + at, srcs[i] + at, n);
+    if (own > 0) {
+      std::memcpy(scratch.data(), dst + at, n * elemSize);
+      std::memcpy(dst + at, srcs[0] + at, n * elemSize);
+    }
+    for (size_t i = 1; i < srcs.size(); ++i) {
+      fn(dst + at, i == own ? scratch.data() : srcs[i] + at, n);
+    }
     if (copy != nullptr) std::memcpy(copy + at, dst + at, n * elemSize);
   }
 }
@@ -59,16 +67,20 @@ void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count
   const int rank = shared.rank(), size = shared.size();
   const size_t bytes = count * elemSize;
   const uint64_t round = shared.beginRound(c.op);
-  if (bytes > 0) std::memcpy(shared.staging(rank, round), base, bytes);
+  // Only the peers read the staged chunk: this rank's own slice stays put.
+  const Block mine = evenBlock(count, size, rank);
+  const size_t at = mine.offset * elemSize, end = at + mine.count * elemSize;
+  char* area = shared.staging(rank, round);
+  if (at > 0) std::memcpy(area, base, at);
+  if (bytes > end) std::memcpy(area + end, base + end, bytes - end);
   shared.publishStaged(c.op, round, step, bytes);
   shared.awaitStaged(c.op, round, step, bytes);
 
-  const Block mine = evenBlock(count, size, rank);
-  const size_t at = mine.offset * elemSize;
   std::vector<const char*> srcs(size);
-  for (int q = 0; q < size; ++q) srcs[q] = shared.staging(q, round) + at;
-  char* back = shared.staging(rank, round) + at;
-  reduceInOrder(base + at, across ? nullptr : back, srcs, mine.count, elemSize, fn);
+  for (int q = 0; q < size; ++q) srcs[q] = q == rank ? base + at : shared.staging(q, round) + at;
+  char* back = area + at;
+  reduceInOrder(base + at, across ? nullptr : back, srcs, static_cast<size_t>(rank), mine.count,
+                elemSize, fn);
   if (across) {
     across(base + at, mine.count);
     if (mine.count > 0) std::memcpy(back, base + at, mine.count * elemSize);
