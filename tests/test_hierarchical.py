@@ -98,3 +98,21 @@ def test_choice_of_algorithm_on_several_hosts():
     assert _C._choose_allreduce(64 << 20, 4, True, "two_step", 2) == "hierarchical"
     assert _C._choose_allreduce(64 << 20, 4, True, "hierarchical", 1) == "two_step"
     assert _C._choose_allreduce(64 << 20, 4, True, "ring", 2) == "ring"
+
+
+def test_bench_hosts_runs_the_harness_on_namespace_hosts(tmp_path):
+    out = tmp_path / "hosts.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_hosts.py"), "--hosts", "2",
+         "--per-host", "2", "--", "--ops", "allreduce", "--backends", "ringreduce",
+         "ringreduce:ring", "-b", "4K", "-e", "64K", "-f", "16", "--repeats", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    if "network namespaces unavailable" in done.stderr + done.stdout:
+        pytest.skip("network namespaces unavailable")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["backend"], r["size_bytes"]) for r in rows} == {
+        (b, s) for b in ("ringreduce", "ringreduce:ring") for s in (4096, 65536)}
+    assert all(r["wrong"] == 0 and not r["error"] and r["world_size"] == 4 for r in rows), rows
+    assert "2 hosts x 2 ranks" in done.stdout
