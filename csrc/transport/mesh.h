@@ -40,6 +40,9 @@ class Mesh {
   // The first of `peers` known to be gone (its connection closed: it exited
   // or aborted), or -1. Never blocks.
   virtual int closedPeer(const std::vector<int>& peers) = 0;
+  // Whether the peer's connection has ended (closedPeer also reports one that
+  // merely has data waiting, which a peer that finished set-up first may send).
+  virtual bool hungUp(int peer) = 0;
   virtual void abort(const std::string& reason) = 0;
   virtual bool aborted() const = 0;
   virtual std::string abortReason() const = 0;

@@ -127,18 +127,23 @@ class RoutedTransport : public Transport {
     std::exception_ptr tcpError, shmError;
     Clock::time_point tcpAt, shmAt;
     // Records a failure (and when) and aborts the group, which ends the other
-    // side's wait.
-    auto failed = [&](std::exception_ptr* error, Clock::time_point* at) {
+    // side's wait. Never throws (the helper's job must not, and the caller
+    // must reach helper_.wait()).
+    auto failed = [&](std::exception_ptr* error, Clock::time_point* at) noexcept {
       *error = std::current_exception();
       *at = Clock::now();
-      std::string what = "a transfer failed";
       try {
-        std::rethrow_exception(*error);
-      } catch (const std::exception& err) {
-        what = err.what();
+        std::string what = "a transfer failed";
+        try {
+          std::rethrow_exception(*error);
+        } catch (const std::exception& err) {
+          what = err.what();
+        } catch (...) {
+        }
+        abort(op.ctx.message(what));
       } catch (...) {
+        abort("a transfer failed");  // best effort: the other side must stop waiting
       }
-      abort(op.ctx.message(what));
     };
     helper_.start([&] {
       try {
@@ -153,8 +158,26 @@ class RoutedTransport : public Transport {
       failed(&shmError, &shmAt);
     }
     helper_.wait();
+    if (tcpError && shmError) {
+      // Raise the cause, not the other side's "no longer usable": the error
+      // whose text starts with the reason the group was aborted for.
+      const std::string reason = tcp_->abortReason();
+      if (startsWith(tcpError, reason)) std::rethrow_exception(tcpError);
+      if (startsWith(shmError, reason)) std::rethrow_exception(shmError);
+    }
     if (tcpError && (!shmError || tcpAt < shmAt)) std::rethrow_exception(tcpError);
     if (shmError) std::rethrow_exception(shmError);
+  }
+
+  static bool startsWith(const std::exception_ptr& error, const std::string& prefix) {
+    if (prefix.empty()) return false;
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& err) {
+      return std::string(err.what()).compare(0, prefix.size(), prefix) == 0;
+    } catch (...) {
+    }
+    return false;
   }
 
   std::unique_ptr<Transport> tcp_;

@@ -101,6 +101,7 @@ TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int 
       topology_(Topology::singleHost(size)), wait_(size) {
   for (auto& channel : fds_) channel.assign(size, -1);
   peerAddr_.assign(size, "");
+  partial_.assign(size, 0);
   if (size > 1) {
     connectMesh(timeout);
   }

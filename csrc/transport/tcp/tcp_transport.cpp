@@ -180,7 +180,16 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
       int peer = peerOf[i];
       std::string err;
       for (auto& s : ss) {
-        if (s.spec->peer == peer && !progressSend(pfds[i].fd, s, &err)) {
+        if (s.spec->peer != peer) continue;
+        bool sent;
+        {
+          // abandon() may run on another thread (a mixed exchange's other
+          // half): it must see whether this message is half written.
+          std::lock_guard<std::mutex> lock(sendMu_);
+          sent = progressSend(pfds[i].fd, s, &err);
+          partial_[peer] = s.done > 0 && s.done < s.total();
+        }
+        if (!sent) {
           fail(op, peer,
                "send failed after " + std::to_string(s.done) + " of " +
                    std::to_string(s.total()) + " bytes: " + err,
@@ -274,9 +283,11 @@ void TcpTransport::abandon(const OpInfo& op, const std::vector<int>& midMessage)
   WireHeader h = messageHeader(op, SendSpec{-1, nullptr, 0, 0});
   h.kind = static_cast<uint8_t>(OpKind::kAbort);
   std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> sending(sendMu_);
   for (int peer = 0; peer < size_; ++peer) {
     const int fd = fds_[kCollective][peer];
-    if (fd < 0 || std::find(midMessage.begin(), midMessage.end(), peer) != midMessage.end()) {
+    if (fd < 0 || partial_[peer] ||
+        std::find(midMessage.begin(), midMessage.end(), peer) != midMessage.end()) {
       continue;
     }
     // Best effort: a full socket buffer just means no frame.
@@ -343,6 +354,12 @@ int TcpTransport::closedPeer(const std::vector<int>& peers) {
     if (pfds[i].revents != 0) return peers[i];
   }
   return -1;
+}
+
+bool TcpTransport::hungUp(int peer) {
+  char byte;
+  const ssize_t r = ::recv(fds_[kCollective][peer], &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
 std::string TcpTransport::abortReason() const {

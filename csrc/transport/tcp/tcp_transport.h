@@ -74,6 +74,8 @@ class TcpTransport : public Transport, public Mesh {
   // The first of `peers` whose idle collective connection became readable
   // (it closed: the peer exited or aborted), or -1. Never blocks.
   int closedPeer(const std::vector<int>& peers) override;
+  // The peer's collective connection is at its end (not merely readable).
+  bool hungUp(int peer) override;
   std::string storeKey(const std::string& name) const override { return storeBase_ + name; }
   StoreCalls& store() override { return store_; }
   WaitPolicy& waitPolicy() override { return wait_; }
@@ -133,6 +135,13 @@ class TcpTransport : public Transport, public Mesh {
   std::vector<std::string> peerAddr_;   // "ip:port" of each peer's listener
   std::thread acceptThread_;
   std::unique_ptr<P2PEngine> p2p_;
+
+  // Sends on the collective connections and abandon()'s abort frames, which
+  // may come from another thread (a routed transport's mixed exchange): under
+  // sendMu_, partial_[peer] says a message to peer is half written, so no
+  // frame may go in between. Taken after mu_ where both are held.
+  std::mutex sendMu_;
+  std::vector<uint8_t> partial_;  // per peer, guarded by sendMu_
 
   WaitPolicy wait_;  // spin, yield, sleep: adapts to the machine (thread-safe)
   std::atomic<bool> aborted_{false};
