@@ -132,7 +132,9 @@ void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology&
   for (const auto& host : topology.hosts) peers.push_back(host[local]);
   const Comm across = c.subgroup(peers, topology.hostOf[c.rank]);
   twoStepRounds(c, shared, data, count, elemSize, fn, [&](char* slice, size_t n) {
-    if (n * elemSize <= kDirectAllreduceBytes) {
+    // Across hosts it is TCP: the TCP choice for the slice.
+    if (chooseAllreduce(n * elemSize, across.size, false, AllreduceAlgorithm::kAuto) ==
+        AllreduceAlgorithm::kDirect) {
       allreduceDirect(across, slice, n, elemSize, fn);
     } else {
       allreduceRing(across, slice, n, elemSize, fn);
