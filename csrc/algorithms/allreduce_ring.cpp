@@ -11,6 +11,7 @@
 // ring order, then copied, so every rank ends bitwise identical.
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/segments.h"
@@ -87,18 +88,41 @@ void allgatherRing(const Comm& c, const std::vector<char*>& blocks,
 void allreduceDirect(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {
   if (c.size == 1) return;
   const size_t bytes = count * elemSize;
-  std::vector<char> all(bytes * c.size);
+  // Every peer's buffer at its rank's slot (this rank's slot unused). Left
+  // uninitialised, and kept per thread for small ops: zeroing and allocating
+  // it each time cost more than the copies at 64 KiB.
+  constexpr size_t kKeptBytes = 1 << 20;
+  thread_local std::unique_ptr<char[]> kept;
+  thread_local size_t keptBytes = 0;
+  std::unique_ptr<char[]> once;
+  char* all;
+  if (bytes * c.size <= kKeptBytes) {
+    if (keptBytes < bytes * c.size) {
+      kept.reset(new char[kKeptBytes]);
+      keptBytes = kKeptBytes;
+    }
+    all = kept.get();
+  } else {
+    once.reset(new char[bytes * c.size]);
+    all = once.get();
+  }
   std::vector<SendSpec> sends;
   std::vector<RecvSpec> recvs;
   for (int peer = 0; peer < c.size; ++peer) {
     if (peer == c.rank) continue;
     sends.push_back({peer, data, bytes, 0});
-    recvs.push_back({peer, all.data() + peer * bytes, bytes, 0, {}});
+    recvs.push_back({peer, all + peer * bytes, bytes, 0, {}});
   }
   c.exchange(sends, recvs);
-  std::memcpy(all.data() + c.rank * bytes, data, bytes);
-  std::memcpy(data, all.data(), bytes);
-  for (int r = 1; r < c.size; ++r) fn(data, all.data() + r * bytes, count);
+  // Folded in rank order 0..n-1 on every rank, so all end bitwise identical:
+  // rank 0 folds into its own buffer; the others fold into rank 0's slot
+  // (reading their own buffer in their turn) and copy the result once.
+  if (c.rank == 0) {
+    for (int r = 1; r < c.size; ++r) fn(data, all + r * bytes, count);
+    return;
+  }
+  for (int r = 1; r < c.size; ++r) fn(all, r == c.rank ? data : all + r * bytes, count);
+  std::memcpy(data, all, bytes);
 }
 
 void allreduceRing(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {
