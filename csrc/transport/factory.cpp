@@ -92,18 +92,22 @@ std::unique_ptr<Transport> connectGroup(const c10::intrusive_ptr<c10d::Store>& s
                                         int size, std::chrono::milliseconds timeout) {
   // One deadline for the whole set-up: the group timeout bounds it all.
   const auto deadline = Clock::now() + timeout;
-  auto tcp = std::make_unique<tcp::TcpTransport>(store, rank, size, timeout);
-  if (size <= 1) return tcp;
+  // The mesh first: every data path reports failures through it, and it
+  // outlives them (each TCP transport holds it).
+  auto mesh = std::make_shared<tcp::TcpMesh>(store, rank, size, timeout);
+  if (size <= 1) return std::make_unique<tcp::TcpTransport>(mesh, Topology::singleHost(size));
   bool shmWanted = false;
-  tcp->setTopology(learnTopology(*tcp, deadline, &shmWanted));
-  const Topology& t = tcp->topology();
-  tcp->waitPolicy().setLocalRanks(static_cast<int>(t.hosts[t.hostOf[rank]].size()));
+  Topology t = learnTopology(*mesh, deadline, &shmWanted);
+  mesh->waitPolicy().setLocalRanks(static_cast<int>(t.hosts[t.hostOf[rank]].size()));
   if (debugEnabled()) {
     fprintf(stderr, "%s %zu host(s); this host's ranks: %zu\n", rankPrefix(rank, size).c_str(),
             t.hosts.size(), t.hosts[t.hostOf[rank]].size());
   }
+  auto tcp = std::make_unique<tcp::TcpTransport>(mesh, t);
   if (!shmWanted) return tcp;
-  std::unique_ptr<Transport> shm = shm::attach(*tcp, *tcp, t, deadline);
+  // The shared-memory path takes its point-to-point and its failures from the
+  // TCP path and the mesh.
+  std::unique_ptr<Transport> shm = shm::attach(*mesh, *tcp, t, deadline);
   if (!shm) return tcp;
   return makeRoutedTransport(std::move(tcp), std::move(shm));
 }

@@ -1,6 +1,6 @@
 // The group's control plane, apart from any data path: the rendezvous through
 // the store, authentication, failure detection and abort, and the first error
-// published in the group. The TCP transport implements it (its connections
+// published in the group. TcpMesh (tcp/tcp_mesh.h) implements it (its connections
 // are how failures travel even when the data goes through shared memory), and
 // every other data path (shm/) and the backend reach it only through here.
 #pragma once

@@ -1,4 +1,4 @@
-// TcpTransport set-up: the full mesh, through the c10d::Store.
+// TcpMesh set-up: the full mesh, through the c10d::Store.
 //
 // Keys (under the group's store prefix): ringreduce/<gen>/secret (32 random
 // bytes, hex, written by rank 0) and ringreduce/<gen>/addr/<rank> ("ip:port").
@@ -20,7 +20,7 @@
 
 #include "common/env.h"
 #include "transport/tcp/p2p_engine.h"
-#include "transport/tcp/tcp_transport.h"
+#include "transport/tcp/tcp_mesh.h"
 
 namespace ringreduce {
 namespace tcp {
@@ -95,10 +95,10 @@ std::string storeHost(const c10::intrusive_ptr<c10d::Store>& store) {
 
 }  // namespace
 
-TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                           std::chrono::milliseconds timeout)
+TcpMesh::TcpMesh(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                 std::chrono::milliseconds timeout)
     : store_(std::move(store), rankPrefix(rank, size)), rank_(rank), size_(size),
-      topology_(Topology::singleHost(size)), wait_(size) {
+      wait_(size) {
   for (auto& channel : fds_) channel.assign(size, -1);
   peerAddr_.assign(size, "");
   partial_.assign(size, 0);
@@ -107,7 +107,7 @@ TcpTransport::TcpTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   }
 }
 
-void TcpTransport::connectMesh(std::chrono::milliseconds timeout) {
+void TcpMesh::connectMesh(std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   const std::string prefix = rankPrefix(rank_, size_);
   // Every store call below is bounded by the group's deadline: a rank that
@@ -157,7 +157,7 @@ void TcpTransport::connectMesh(std::chrono::milliseconds timeout) {
       [this](const std::string& why) { return groupCause(why); });
 }
 
-void TcpTransport::connectToLower(int peer, Clock::time_point deadline) {
+void TcpMesh::connectToLower(int peer, Clock::time_point deadline) {
   const std::string prefix = rankPrefix(rank_, size_);
   std::string addr = store_.get(
       storeBase_ + "addr/" + std::to_string(peer), deadline, "joining the group",
@@ -195,7 +195,7 @@ void TcpTransport::connectToLower(int peer, Clock::time_point deadline) {
 
 // Handshakes run concurrently in this loop (non-blocking, each with its own
 // deadline), so a silent stranger cannot hold up the real peers.
-void TcpTransport::acceptLoop() {
+void TcpMesh::acceptLoop() {
   std::vector<PendingHello> pending;
   std::vector<pollfd> pfds;
   auto backoff = std::chrono::milliseconds(0);
@@ -245,7 +245,7 @@ void TcpTransport::acceptLoop() {
   for (auto& p : pending) ::close(p.fd);
 }
 
-void TcpTransport::readHello(PendingHello& p) {
+void TcpMesh::readHello(PendingHello& p) {
   auto* buf = reinterpret_cast<char*>(&p.hello);
   ssize_t r = ::recv(p.fd, buf + p.got, sizeof(Hello) - p.got, MSG_DONTWAIT);
   if (r < 0 && (errno == EAGAIN || errno == EINTR)) return;
@@ -287,13 +287,13 @@ void TcpTransport::readHello(PendingHello& p) {
   connected_.notify_all();
 }
 
-void TcpTransport::refuse(PendingHello& p, const std::string& why) {
+void TcpMesh::refuse(PendingHello& p, const std::string& why) {
   logRefusal(formatAddress(p.from), why);
   ::close(p.fd);
   p.fd = -1;
 }
 
-std::string TcpTransport::checkHello(const Hello& h) const {
+std::string TcpMesh::checkHello(const Hello& h) const {
   if (h.magic != kHelloMagic) return "not a ringreduce peer (bad hello)";
   if (h.version != kProtocolVersion) {
     return "protocol version " + std::to_string(h.version) + ", this rank speaks " +
@@ -309,7 +309,7 @@ std::string TcpTransport::checkHello(const Hello& h) const {
   return "";
 }
 
-void TcpTransport::logRefusal(const std::string& from, const std::string& why) {
+void TcpMesh::logRefusal(const std::string& from, const std::string& why) {
   std::string line = rankPrefix(rank_, size_) + " refused connection from " + from + ": " + why;
   std::string print;
   {
@@ -336,12 +336,12 @@ void TcpTransport::logRefusal(const std::string& from, const std::string& why) {
   }
 }
 
-std::vector<std::string> TcpTransport::refusedConnections() const {
+std::vector<std::string> TcpMesh::refusedConnections() const {
   std::lock_guard<std::mutex> lock(mu_);
   return std::vector<std::string>(refused_.begin(), refused_.end());
 }
 
-uint64_t TcpTransport::refusedCount() const {
+uint64_t TcpMesh::refusedCount() const {
   std::lock_guard<std::mutex> lock(mu_);
   return refusedCount_;
 }

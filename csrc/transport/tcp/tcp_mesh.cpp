@@ -1,0 +1,203 @@
+// TcpMesh: failure paths (fail, abort, the first error in the group, the
+// wait chain after a timeout), abandon, close. The set-up is rendezvous.cpp.
+#include "transport/tcp/tcp_mesh.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <set>
+#include <thread>
+
+#include "common/env.h"
+#include "transport/tcp/p2p_engine.h"
+
+namespace ringreduce {
+namespace tcp {
+namespace {
+
+constexpr const char* kAbortKey = "abort";
+// Budgets of the error path's store calls: a raise never waits longer on a
+// store that does not answer.
+constexpr auto kPublishBudget = std::chrono::milliseconds(250);
+// How long a rank that saw a peer's abort flag waits for that peer's error in
+// the store: longer than kPublishBudget, because a publish that misses its
+// budget still lands soon after on a loaded machine (the wait ends as soon as
+// the key is there).
+constexpr auto kPeerErrorBudget = std::chrono::milliseconds(1000);
+constexpr auto kLookupBudget = std::chrono::milliseconds(250);
+// After a timeout, how long a rank waits for the ranks it waits on to publish
+// whom they wait on (their deadlines differ by their start times).
+constexpr auto kWaitChainGrace = std::chrono::milliseconds(500);
+
+}  // namespace
+
+TcpMesh::~TcpMesh() {
+  close();
+}
+
+void TcpMesh::fail(const OpInfo& op, int peer, const std::string& what, bool timedOut,
+                        const std::vector<int>& midMessage) {
+  std::string where =
+      peer >= 0 ? "with rank " + std::to_string(peer) + " (" + peerAddr_[peer] + "): " : "";
+  std::string message = op.ctx.message(where + what);
+  if (timedOut && peer >= 0) message += waitChain(op, peer);
+  // Looked up before this rank publishes its own error, so it finds a peer's.
+  const std::string cause = groupCause(message);
+  abandon(op, midMessage);
+  abort(message);
+  throwTransportError(message + cause + ". The process group is no longer usable.");
+}
+
+void TcpMesh::awaitPeerError() {
+  if (size_ == 1 || closed_) return;
+  try {
+    // The peer publishes right after raising the flag (within kPublishBudget,
+    // or a little later under load), or never: wait no longer than this.
+    (void)store_.waitFor(storeBase_ + kAbortKey, Clock::now() + kPeerErrorBudget,
+                         "looking up a peer's error");
+  } catch (const std::exception&) {
+    // Best effort: failOp() says when the first failure is unknown.
+  }
+}
+
+std::string TcpMesh::groupCause(const std::string& mine) {
+  if (size_ == 1) return "";
+  bool answered = false;
+  auto first = store_.tryGet(storeBase_ + kAbortKey, Clock::now() + kLookupBudget, &answered);
+  if (!answered) {
+    return "; the first failure in the group is unknown (the store did not answer within " +
+           std::to_string(kLookupBudget.count()) + " ms)";
+  }
+  if (!first || *first == mine) return "";
+  return "; first error in the group: " + *first;
+}
+
+std::string TcpMesh::waitChain(const OpInfo& op, int peer) {
+  auto key = [&](int r) {
+    return storeBase_ + "wait/" + std::to_string(op.ctx.seq) + "/" + std::to_string(r);
+  };
+  if (!store_.trySetFirst(key(rank_), std::to_string(peer), Clock::now() + kPublishBudget)) {
+    return "";
+  }
+  const auto graceEnd = Clock::now() + kWaitChainGrace;
+  std::string chain;
+  std::set<int> seen{rank_};
+  int cur = peer;
+  while (true) {
+    if (seen.count(cur) != 0) {
+      return "; the waits form a cycle (" + chain.substr(2) +
+             "): every rank in it waits for another";
+    }
+    bool answered = false;
+    auto next = store_.tryGet(key(cur), std::min(graceEnd, Clock::now() + kLookupBudget) +
+                                            std::chrono::milliseconds(1),
+                              &answered);
+    if (!answered && Clock::now() < graceEnd) return "";
+    if (next) {
+      seen.insert(cur);
+      chain += "; rank " + std::to_string(cur) + " waits for rank " + *next;
+      cur = std::atoi(next->c_str());
+      continue;
+    }
+    if (Clock::now() >= graceEnd) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return chain + "; rank " + std::to_string(cur) + " made no progress in " + op.ctx.op + "#" +
+         std::to_string(op.ctx.seq) + " (stopped, hung, or never called it)";
+}
+
+void TcpMesh::abandon(const OpInfo& op, const std::vector<int>& midMessage) {
+  WireHeader h = messageHeader(op, SendSpec{-1, nullptr, 0, 0});
+  h.kind = static_cast<uint8_t>(OpKind::kAbort);
+  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> sending(sendMu_);
+  for (int peer = 0; peer < size_; ++peer) {
+    const int fd = fds_[kCollective][peer];
+    if (fd < 0 || partial_[peer] ||
+        std::find(midMessage.begin(), midMessage.end(), peer) != midMessage.end()) {
+      continue;
+    }
+    // Best effort: a full socket buffer just means no frame.
+    (void)!::send(fd, &h, sizeof(h), MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+}
+
+void TcpMesh::abort(const std::string& reason) {
+  if (aborted_.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    abortReason_ = reason;
+  }
+  if (debugEnabled()) {
+    fprintf(stderr, "%s aborting: %s\n", rankPrefix(rank_, size_).c_str(), reason.c_str());
+  }
+  // Publish the first error before the peers see EOF, so they can name it;
+  // bounded, so a store that does not answer never holds up the abort.
+  if (size_ > 1 && !closed_) {
+    store_.trySetFirst(storeBase_ + kAbortKey, reason, Clock::now() + kPublishBudget);
+  }
+  {
+    // Shutting the sockets down (not closing: other threads may be polling
+    // them) makes every peer see EOF at once, so errors spread in milliseconds.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& channel : fds_) {
+      for (int fd : channel) {
+        if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+      }
+    }
+  }
+  if (p2p_) p2p_->abort(reason);
+}
+
+int TcpMesh::closedPeer(const std::vector<int>& peers) {
+  std::vector<pollfd> pfds;
+  for (int peer : peers) pfds.push_back({fds_[kCollective][peer], POLLIN, 0});
+  if (pfds.empty() || poll(pfds.data(), pfds.size(), 0) <= 0) return -1;
+  for (size_t i = 0; i < pfds.size(); ++i) {
+    if (pfds[i].revents != 0) return peers[i];
+  }
+  return -1;
+}
+
+bool TcpMesh::hungUp(int peer) {
+  char byte;
+  const ssize_t r = ::recv(fds_[kCollective][peer], &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+std::string TcpMesh::abortReason() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return abortReason_;
+}
+
+void TcpMesh::close() {
+  if (closed_.exchange(true)) return;
+  if (wakePipe_[1] >= 0) {
+    char c = 0;
+    (void)!::write(wakePipe_[1], &c, 1);
+  }
+  if (p2p_) p2p_->stop();
+  if (acceptThread_.joinable()) acceptThread_.join();
+  p2p_.reset();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& channel : fds_) {
+    for (int& fd : channel) {
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+    }
+  }
+  for (int* fd : {&listenFd_, &wakePipe_[0], &wakePipe_[1]}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
+}
+
+std::string TcpMesh::listenAddress() const {
+  return listenFd_ >= 0 ? formatAddress(bound_) : "";
+}
+
+}  // namespace tcp
+}  // namespace ringreduce
