@@ -19,8 +19,11 @@ itself, the floor the rows at that size are compared with ("over the floor").
 sweep: torch's copy_ between two float32 buffers of the sweep's largest size
 with torch.set_num_threads(1), on rank 0 while the others wait in a barrier,
 best of MEMCPY_REPEATS; bytes copied per second (each byte is read once and
-written once). Every row gets busbw / memcpy; the table's footer gives it at
-the largest size.
+written once). Then every rank copies at once, each repeat started by a
+barrier: what the memory gives each of n cores together, which bounds a large
+all-reduce (each rank reads its input and writes its output at least once).
+Every row gets busbw / memcpy and busbw / memcpy of all ranks at once; the
+table's footer gives both at the largest size.
 """
 import argparse
 import dataclasses
@@ -173,8 +176,10 @@ class SoloGroup:
         return lambda: None
 
 
-def memcpy_bandwidth(nbytes, repeats=MEMCPY_REPEATS):
-    """One core's copy_ bandwidth in bytes/s over float32 buffers of nbytes: best of repeats."""
+def memcpy_bandwidth(nbytes, repeats=MEMCPY_REPEATS, before_each=None):
+    """One core's copy_ bandwidth in bytes/s over float32 buffers of nbytes: best of repeats.
+
+    before_each (a barrier) lines the repeats up when every rank copies at once."""
     count = max(1, nbytes // 4)
     src, dst = torch.ones(count), torch.empty(count)
     threads = torch.get_num_threads()
@@ -183,6 +188,8 @@ def memcpy_bandwidth(nbytes, repeats=MEMCPY_REPEATS):
         dst.copy_(src)  # first touch: page faults are no part of a copy's cost
         times = []
         for _ in range(repeats):
+            if before_each is not None:
+                before_each()
             start = time.perf_counter()
             dst.copy_(src)
             times.append(time.perf_counter() - start)
@@ -197,7 +204,7 @@ class References:
     """The floor and the memcpy bandwidth of one run: measured, printed, kept for the JSON."""
 
     def __init__(self, args, ctx, timeout):
-        self.solo = self.floor = self.memcpy = None
+        self.solo = self.floor = self.memcpy = self.memcpy_all = None
         self.errors = {}
         if args.floor:
             try:
@@ -211,6 +218,10 @@ class References:
             if ctx.rank == 0:
                 self.memcpy = memcpy_bandwidth(args.maxbytes)
             dist.barrier()  # the others wait here, off the cores, while rank 0 copies
+            # Then every rank copies at once: an all-reduce must read each rank's
+            # input and write its output, so this is what the memory gives n ranks.
+            self.memcpy_all = memcpy_bandwidth(args.maxbytes, before_each=dist.barrier)
+            self.memcpy_all["ranks"] = ctx.n
         for line in self.head() if ctx.rank == 0 else []:
             print(line, flush=True)
 
@@ -221,6 +232,8 @@ class References:
             m = self.memcpy
             lines.append(f"# memcpy, one core: {m['GBps']:.2f} GB/s (copy_ of "
                          f"{bu.size_label(m['bytes'])} float32, best of {m['repeats']})")
+            lines.append(f"# memcpy, one core per rank, all {self.memcpy_all['ranks']} at once: "
+                         f"{self.memcpy_all['GBps']:.2f} GB/s each (rank 0's best)")
         return lines
 
     def after_row(self, op_name, op, rows, measure, args):
@@ -246,15 +259,19 @@ class References:
         """busbw / memcpy on every row; the footer line at the largest size."""
         if not self.memcpy or not rows:
             return []
-        bandwidth = self.memcpy["GBps"]
-        for row in rows:
-            if row["busbw_GBps"] is not None:
-                row["busbw_per_memcpy"] = row["busbw_GBps"] / bandwidth
+        lines = []
         largest = max(r["size_bytes"] for r in rows)
-        parts = [f"{r['backend']} {r['busbw_per_memcpy']:.2f}" for r in rows
-                 if r["size_bytes"] == largest and "busbw_per_memcpy" in r]
-        return [f"# busbw / memcpy ({bandwidth:.2f} GB/s) at {bu.size_label(largest)}: "
-                f"{', '.join(parts) or 'n/a'}"]
+        for key, ref, what in (("busbw_per_memcpy", self.memcpy, "memcpy"),
+                               ("busbw_per_memcpy_all", self.memcpy_all, "memcpy all ranks")):
+            for row in rows:
+                if row["busbw_GBps"] is not None:
+                    row[key] = row["busbw_GBps"] / ref["GBps"]
+            parts = [f"{r['backend']} {r[key]:.2f}" for r in rows
+                     if r["size_bytes"] == largest and key in r]
+            lines.append(f"# busbw / {what} ({ref['GBps']:.2f} GB/s) at "
+                         f"{bu.size_label(largest)}: {', '.join(parts) or 'n/a'}")
+        return lines
 
     def to_json(self):
-        return {"floor": self.floor, "memcpy": self.memcpy, "errors": self.errors}
+        return {"floor": self.floor, "memcpy": self.memcpy, "memcpy_all_ranks": self.memcpy_all,
+                "errors": self.errors}

@@ -75,10 +75,14 @@ def test_mpi_rows_are_right(tmp_path):
             assert row["error"] is None and row["wrong"] == 0, (row, text)
             assert row["world_size"] == 2 and row["time_us"] > 0, (row, text)
             assert row["busbw_per_memcpy"] > 0, (row, text)
+            assert row["busbw_per_memcpy_all"] > 0, (row, text)
     floor = doc["reference"]["floor"]
     assert floor["world_size"] == 1 and floor["wrong"] == 0 and floor["time_us"] > 0, text
     assert rows[("mpi", 4096)]["floor_us"] == floor["time_us"], text
     assert doc["reference"]["memcpy"]["GBps"] > 0, text
+    together = doc["reference"]["memcpy_all_ranks"]
+    assert together["GBps"] > 0 and together["ranks"] == 2, text
+    assert "memcpy, one core per rank, all 2 at once" in text, text
 
 
 def test_without_mpi_the_others_run_and_the_reason_shows(tmp_path):

@@ -26,6 +26,7 @@
 
 #include "algorithms/algorithms.h"
 #include "algorithms/segments.h"
+#include "kernels/reduce_ops.h"
 
 namespace ringreduce {
 namespace {
@@ -35,22 +36,34 @@ constexpr size_t kPieceBytes = 16 << 10;
 
 // dst = srcs[0] op srcs[1] op ... (left to right) over `count` elements, also
 // copied to `copy` (this rank's staging area, which peers read back) unless
-// it is null. srcs[own] is dst itself (this rank's slice of its own buffer):
-// each piece of it is set aside in `scratch` before dst is written.
+// it is null. srcs[own] is dst itself (this rank's slice of its own buffer).
+// Rank 0's own data comes first: it folds the others into dst. Rank 1 folds
+// rank 0's data into dst with the operands swapped (op(x0, x1), as rank 0
+// would), so it copies no more than rank 0 does. A later rank builds each
+// piece in `copy` (or a scratch piece) and copies it into dst.
 void reduceInOrder(char* dst, char* copy, const std::vector<const char*>& srcs, size_t own,
                    size_t count, size_t elemSize, ReduceFn fn) {
   const size_t pieceElems = std::max<size_t>(1, kPieceBytes / elemSize);
-  std::vector<char> scratch(own > 0 ? std::min(count, pieceElems) * elemSize : 0);
+  const ReduceFn swapped = own == 1 ? reversedFunction(fn) : nullptr;
+  const bool aside = own > 0 && swapped == nullptr;
+  std::vector<char> scratch(aside && copy == nullptr ? std::min(count, pieceElems) * elemSize
+                                                     : 0);
   for (size_t done = 0; done < count; done += pieceElems) {
     const size_t n = std::min(pieceElems, count - done);
     const size_t at = done * elemSize;
-    if (own > 0) {
-      std::memcpy(scratch.data(), dst + at, n * elemSize);
-      std::memcpy(dst + at, srcs[0] + at, n * elemSize);
+    if (aside) {
+      char* acc = copy != nullptr ? copy + at : scratch.data();
+      std::memcpy(acc, srcs[0] + at, n * elemSize);
+      for (size_t i = 1; i < srcs.size(); ++i) fn(acc, srcs[i] + at, n);  // srcs[own] is dst
+      std::memcpy(dst + at, acc, n * elemSize);
+      continue;
     }
-    for (size_t i = 1; i < srcs.size(); ++i) {
-      fn(dst + at, i == own ? scratch.data() : srcs[i] + at, n);
+    size_t i = 1;
+    if (swapped != nullptr) {
+      swapped(dst + at, srcs[0] + at, n);
+      i = 2;
     }
+    for (; i < srcs.size(); ++i) fn(dst + at, srcs[i] + at, n);
     if (copy != nullptr) std::memcpy(copy + at, dst + at, n * elemSize);
   }
 }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <unordered_map>
 
 namespace ringreduce {
 namespace {
@@ -21,6 +22,15 @@ struct Max { template <typename T> T operator()(T a, T b) const { return a < b ?
 struct BitAnd { template <typename T> T operator()(T a, T b) const { return a & b; } };
 struct BitOr { template <typename T> T operator()(T a, T b) const { return a | b; } };
 struct BitXor { template <typename T> T operator()(T a, T b) const { return a ^ b; } };
+
+// Operands swapped: Rev<F>()(a, b) = F()(b, a), for the reversed kernels
+// (reversedFunction).
+template <typename F>
+struct Rev {
+  template <typename T> T operator()(T a, T b) const { return F()(b, a); }
+};
+template <bool kRev, typename F>
+using Maybe = std::conditional_t<kRev, Rev<F>, F>;
 
 // Integers wrap around instead of overflowing (signed overflow is undefined).
 template <typename T>
@@ -58,69 +68,76 @@ void applyHalf(void* dst, const void* src, size_t count) {
   }
 }
 
-template <typename T>
+template <typename T, bool kRev>
 ReduceFn integerKernel(Op op) {
   switch (op) {
-    case Op::SUM: return &applyWrapping<T, Sum>;
-    case Op::PRODUCT: return &applyWrapping<T, Prod>;
-    case Op::MIN: return &apply<T, Min>;
-    case Op::MAX: return &apply<T, Max>;
-    case Op::BAND: return &apply<T, BitAnd>;
-    case Op::BOR: return &apply<T, BitOr>;
-    case Op::BXOR: return &apply<T, BitXor>;
+    case Op::SUM: return &applyWrapping<T, Maybe<kRev, Sum>>;
+    case Op::PRODUCT: return &applyWrapping<T, Maybe<kRev, Prod>>;
+    case Op::MIN: return &apply<T, Maybe<kRev, Min>>;
+    case Op::MAX: return &apply<T, Maybe<kRev, Max>>;
+    case Op::BAND: return &apply<T, Maybe<kRev, BitAnd>>;
+    case Op::BOR: return &apply<T, Maybe<kRev, BitOr>>;
+    case Op::BXOR: return &apply<T, Maybe<kRev, BitXor>>;
     default: return nullptr;
   }
 }
 
-template <typename T, bool kHalf>
+template <typename T, bool kHalf, typename F>
+ReduceFn floatApply() {
+  return kHalf ? &applyHalf<T, F> : &apply<T, F>;
+}
+
+template <typename T, bool kHalf, bool kRev>
 ReduceFn floatKernel(Op op) {
   switch (op) {
     case Op::SUM:
-    case Op::AVG: return kHalf ? &applyHalf<T, Sum> : &apply<T, Sum>;
-    case Op::PRODUCT: return kHalf ? &applyHalf<T, Prod> : &apply<T, Prod>;
-    case Op::MIN: return kHalf ? &applyHalf<T, Min> : &apply<T, Min>;
-    case Op::MAX: return kHalf ? &applyHalf<T, Max> : &apply<T, Max>;
+    case Op::AVG: return floatApply<T, kHalf, Maybe<kRev, Sum>>();
+    case Op::PRODUCT: return floatApply<T, kHalf, Maybe<kRev, Prod>>();
+    case Op::MIN: return floatApply<T, kHalf, Maybe<kRev, Min>>();
+    case Op::MAX: return floatApply<T, kHalf, Maybe<kRev, Max>>();
     default: return nullptr;
   }
 }
 
-template <typename T>
+template <typename T, bool kRev>
 ReduceFn complexKernel(Op op) {
   switch (op) {
     case Op::SUM:
-    case Op::AVG: return &apply<T, Sum>;
-    case Op::PRODUCT: return &apply<T, Prod>;
+    case Op::AVG: return &apply<T, Maybe<kRev, Sum>>;
+    case Op::PRODUCT: return &apply<T, Maybe<kRev, Prod>>;
     default: return nullptr;
   }
 }
 
+template <bool kRev>
 ReduceFn boolKernel(Op op) {
   switch (op) {
     case Op::SUM:
     case Op::MAX:
-    case Op::BOR: return &apply<bool, BitOr>;
+    case Op::BOR: return &apply<bool, Maybe<kRev, BitOr>>;
     case Op::PRODUCT:
     case Op::MIN:
-    case Op::BAND: return &apply<bool, BitAnd>;
-    case Op::BXOR: return &apply<bool, BitXor>;
+    case Op::BAND: return &apply<bool, Maybe<kRev, BitAnd>>;
+    case Op::BXOR: return &apply<bool, Maybe<kRev, BitXor>>;
     default: return nullptr;
   }
 }
 
+template <bool kRev>
 ReduceFn lookup(c10::ScalarType dtype, Op op) {
   switch (dtype) {
-    case c10::kFloat: return floatKernel<float, false>(op);
-    case c10::kDouble: return floatKernel<double, false>(op);
-    case c10::kHalf: return floatKernel<c10::Half, true>(op);
-    case c10::kBFloat16: return floatKernel<c10::BFloat16, true>(op);
-    case c10::kChar: return op == Op::AVG ? nullptr : integerKernel<int8_t>(op);
-    case c10::kByte: return op == Op::AVG ? nullptr : integerKernel<uint8_t>(op);
-    case c10::kShort: return op == Op::AVG ? nullptr : integerKernel<int16_t>(op);
-    case c10::kInt: return op == Op::AVG ? nullptr : integerKernel<int32_t>(op);
-    case c10::kLong: return op == Op::AVG ? nullptr : integerKernel<int64_t>(op);
-    case c10::kBool: return boolKernel(op);
-    case c10::kComplexFloat: return complexKernel<c10::complex<float>>(op);
-    case c10::kComplexDouble: return complexKernel<c10::complex<double>>(op);
+    case c10::kFloat: return floatKernel<float, false, kRev>(op);
+    case c10::kDouble: return floatKernel<double, false, kRev>(op);
+    case c10::kHalf: return floatKernel<c10::Half, true, kRev>(op);
+    case c10::kBFloat16: return floatKernel<c10::BFloat16, true, kRev>(op);
+    case c10::kChar: return op == Op::AVG ? nullptr : integerKernel<int8_t, kRev>(op);
+    case c10::kByte: return op == Op::AVG ? nullptr : integerKernel<uint8_t, kRev>(op);
+    case c10::kShort: return op == Op::AVG ? nullptr : integerKernel<int16_t, kRev>(op);
+    case c10::kInt: return op == Op::AVG ? nullptr : integerKernel<int32_t, kRev>(op);
+    case c10::kLong: return op == Op::AVG ? nullptr : integerKernel<int64_t, kRev>(op);
+    case c10::kBool: return boolKernel<kRev>(op);
+    case c10::kComplexFloat: return complexKernel<c10::complex<float>, kRev>(op);
+    case c10::kComplexDouble: return complexKernel<c10::complex<double>, kRev>(op);
     default: return nullptr;
   }
 }
@@ -143,7 +160,7 @@ const char* reduceOpName(Op op) {
 }
 
 ReduceFn reduceFunction(c10::ScalarType dtype, Op op, std::string* why) {
-  ReduceFn fn = lookup(dtype, op);
+  ReduceFn fn = lookup<false>(dtype, op);
   if (fn == nullptr && why != nullptr) {
     *why = std::string("reduce op ") + reduceOpName(op) + " is not supported for dtype " +
            dtypeName(dtype);
@@ -154,6 +171,25 @@ ReduceFn reduceFunction(c10::ScalarType dtype, Op op, std::string* why) {
     }
   }
   return fn;
+}
+
+ReduceFn reversedFunction(ReduceFn fn) {
+  // Every kernel and its reversed twin, built once from the same table.
+  static const std::unordered_map<ReduceFn, ReduceFn> twins = [] {
+    std::unordered_map<ReduceFn, ReduceFn> m;
+    for (c10::ScalarType dtype :
+         {c10::kFloat, c10::kDouble, c10::kHalf, c10::kBFloat16, c10::kChar, c10::kByte,
+          c10::kShort, c10::kInt, c10::kLong, c10::kBool, c10::kComplexFloat,
+          c10::kComplexDouble}) {
+      for (Op op : {Op::SUM, Op::AVG, Op::PRODUCT, Op::MIN, Op::MAX, Op::BAND, Op::BOR,
+                    Op::BXOR}) {
+        if (ReduceFn f = lookup<false>(dtype, op)) m.emplace(f, lookup<true>(dtype, op));
+      }
+    }
+    return m;
+  }();
+  auto it = twins.find(fn);
+  return it == twins.end() ? nullptr : it->second;
 }
 
 }  // namespace ringreduce

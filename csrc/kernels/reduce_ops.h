@@ -20,6 +20,12 @@ namespace ringreduce {
 ReduceFn reduceFunction(c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                         std::string* why);
 
+// The kernel with the operands swapped: dst[i] = op(src[i], dst[i]), for a
+// kernel reduceFunction returned (nullptr for any other function). Lets a
+// rank fold a peer's data into its own buffer in rank order without first
+// copying its own aside.
+ReduceFn reversedFunction(ReduceFn fn);
+
 // Human name of a reduce op: "SUM", "AVG", ...
 const char* reduceOpName(c10d::ReduceOp::RedOpType op);
 
