@@ -174,22 +174,23 @@ ReduceFn reduceFunction(c10::ScalarType dtype, Op op, std::string* why) {
 }
 
 ReduceFn reversedFunction(ReduceFn fn) {
-  // Every kernel and its reversed twin, built once from the same table.
-  static const std::unordered_map<ReduceFn, ReduceFn> twins = [] {
-    std::unordered_map<ReduceFn, ReduceFn> m;
+  // Every kernel and its reversed twin, built once from the same table; never
+  // destroyed, so a worker thread still reducing at exit never reads a freed map.
+  static const auto* twins = [] {
+    auto* m = new std::unordered_map<ReduceFn, ReduceFn>();
     for (c10::ScalarType dtype :
          {c10::kFloat, c10::kDouble, c10::kHalf, c10::kBFloat16, c10::kChar, c10::kByte,
           c10::kShort, c10::kInt, c10::kLong, c10::kBool, c10::kComplexFloat,
           c10::kComplexDouble}) {
       for (Op op : {Op::SUM, Op::AVG, Op::PRODUCT, Op::MIN, Op::MAX, Op::BAND, Op::BOR,
                     Op::BXOR}) {
-        if (ReduceFn f = lookup<false>(dtype, op)) m.emplace(f, lookup<true>(dtype, op));
+        if (ReduceFn f = lookup<false>(dtype, op)) m->emplace(f, lookup<true>(dtype, op));
       }
     }
     return m;
   }();
-  auto it = twins.find(fn);
-  return it == twins.end() ? nullptr : it->second;
+  auto it = twins->find(fn);
+  return it == twins->end() ? nullptr : it->second;
 }
 
 }  // namespace ringreduce
