@@ -39,7 +39,7 @@ TcpMesh::~TcpMesh() {
 }
 
 void TcpMesh::fail(const OpInfo& op, int peer, const std::string& what, bool timedOut,
-                        const std::vector<int>& midMessage) {
+                   const std::vector<int>& midMessage) {
   std::string where =
       peer >= 0 ? "with rank " + std::to_string(peer) + " (" + peerAddr_[peer] + "): " : "";
   std::string message = op.ctx.message(where + what);

@@ -158,7 +158,8 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
       mesh.fail(op, peer, what, true, midMessage());
     }
     if (ready < 0 && errno != EINTR) {
-      mesh.fail(op, -1, std::string("poll failed: ") + std::strerror(errno), false, midMessage());
+      mesh.fail(op, -1, std::string("poll failed: ") + std::strerror(errno), false,
+                midMessage());
     }
     for (size_t i = 0; i < pfds.size(); ++i) {
       if (pfds[i].revents == 0) continue;
@@ -176,17 +177,17 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
         }
         if (!sent) {
           mesh.fail(op, peer,
-               "send failed after " + std::to_string(s.done) + " of " +
-                   std::to_string(s.total()) + " bytes: " + err,
-               false, midMessage());
+                    "send failed after " + std::to_string(s.done) + " of " +
+                        std::to_string(s.total()) + " bytes: " + err,
+                    false, midMessage());
         }
       }
       for (auto& r : rs) {
         if (r.spec->peer == peer && !progressRecv(pfds[i].fd, op, r, &err)) {
           mesh.fail(op, peer,
-               err + " (received " + std::to_string(r.dataDone) + " of " +
-                   std::to_string(r.spec->bytes) + " bytes)",
-               false, midMessage());
+                    err + " (received " + std::to_string(r.dataDone) + " of " +
+                        std::to_string(r.spec->bytes) + " bytes)",
+                    false, midMessage());
         }
       }
     }
@@ -211,9 +212,9 @@ void TcpTransport::confirm(const OpInfo& op) {
     if (r == static_cast<ssize_t>(sizeof(h)) && h.magic == kWireMagic &&
         h.kind == static_cast<uint8_t>(OpKind::kAbort) && h.seq == op.ctx.seq) {
       mesh.fail(op, peerOf[i],
-           "the peer abandoned this op (it timed out or failed in it) after this rank's "
-           "transfers had completed; the op fails on every rank",
-           false);
+                "the peer abandoned this op (it timed out or failed in it) after this "
+                "rank's transfers had completed; the op fails on every rank",
+                false);
     }
   }
 }
