@@ -93,14 +93,10 @@ void allreduceDirect(const Comm& c, char* data, size_t count, size_t elemSize, R
   // it each time cost more than the copies at 64 KiB.
   constexpr size_t kKeptBytes = 1 << 20;
   thread_local std::unique_ptr<char[]> kept;
-  thread_local size_t keptBytes = 0;
   std::unique_ptr<char[]> once;
   char* all;
   if (bytes * c.size <= kKeptBytes) {
-    if (keptBytes < bytes * c.size) {
-      kept.reset(new char[kKeptBytes]);
-      keptBytes = kKeptBytes;
-    }
+    if (!kept) kept.reset(new char[kKeptBytes]);
     all = kept.get();
   } else {
     once.reset(new char[bytes * c.size]);

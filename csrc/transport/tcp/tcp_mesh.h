@@ -72,10 +72,9 @@ class TcpMesh : public Mesh {
 
   // For the TCP data path (tcp_transport.cpp).
   //
-  // The collective connection to `peer` (-1 for this rank) and its address.
-  // Fixed between construction and close().
+  // The collective connection to `peer` (-1 for this rank). Fixed between
+  // construction and close().
   int collectiveFd(int peer) const { return fds_[kCollective][peer]; }
-  const std::string& peerAddress(int peer) const { return peerAddr_[peer]; }
   // Writes to the collective connections go under this lock, with
   // setPartial(peer, true) while a message to peer is half written, so that
   // abandon()'s abort frames (possibly from another thread: a routed

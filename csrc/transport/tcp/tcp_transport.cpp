@@ -9,19 +9,13 @@
 #include "transport/tcp/tcp_transport.h"
 
 #include <poll.h>
-#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <set>
-#include <thread>
 
-#include "common/env.h"
-#include "kernels/reduce_ops.h"
 #include "transport/tcp/p2p_engine.h"
 
 namespace ringreduce {
