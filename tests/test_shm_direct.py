@@ -2,9 +2,10 @@
 csrc/transport/shm/shm_direct.cpp): gloo's results, the rank-order fold bit for bit,
 the same bits on every rank; and its failures are errors naming the rank, never hangs.
 
-Groups force the algorithm (RINGREDUCE_ALLREDUCE=two_step); the "small" group's
-staging areas hold 4 KiB (_C._shm_test_staging_bytes), so modest counts cross
-many rounds and end in a partial one; the "default" group's hold 1 MiB.
+Groups force the algorithm (RINGREDUCE_ALLREDUCE=two_step, or direct for the
+one-step test); the "small" group's staging areas hold 4 KiB
+(_C._shm_test_staging_bytes), so modest counts cross many rounds and end in a
+partial one; the "default" group's hold 1 MiB.
 Oracles: the same all_reduce on gloo (assert_close for floats, equal for the
 rest), and the left-to-right fold of every rank's input in rank order 0..n-1,
 which the algorithm must reproduce exactly (one rank reduces each element in
@@ -71,11 +72,11 @@ def _fold(inputs, op, dtype):
     return out / len(inputs) if op == R.AVG else out
 
 
-def _sweep(ctx, staging, dtypes, counts, ops=None):
-    """Remote: every (dtype, count, op) through the forced two-step group."""
-    group = _two_step_group(ctx, staging)
+def _sweep(ctx, staging, dtypes, counts, ops=None, algorithm="two_step"):
+    """Remote: every (dtype, count, op) through the group forcing `algorithm`."""
+    group = _two_step_group(ctx, staging, algorithm)
     n, rank = ctx.world_size, ctx.rank
-    cases = Cases(ctx, "two_step all_reduce")
+    cases = Cases(ctx, f"{algorithm} all_reduce")
     cases.true(backend_of(group).transport_kind() == "shm", "the group is not on shared memory")
     for dtype in dtypes:
         floating = dtype.is_floating_point or dtype.is_complex
@@ -85,7 +86,7 @@ def _sweep(ctx, staging, dtypes, counts, ops=None):
                     continue
                 for exact in ((True, False) if floating and op in (R.SUM, R.AVG) else (True,)):
                     with cases.case(dtype=dtype, count=count, op=op, exact=exact):
-                        tag = ("two_step", staging, exact)
+                        tag = (algorithm, staging, exact)
                         inputs = [make_input(tag, r, count, dtype, op, exact) for r in range(n)]
                         ours = inputs[rank].clone()
                         dist.all_reduce(ours, op=op, group=group)
@@ -116,6 +117,15 @@ def test_default_staging_large_counts(worlds, world_size):
                          [torch.float32, torch.float64, torch.bfloat16, torch.int64],
                          LARGE_COUNTS, [R.SUM, R.AVG, R.MAX, R.BXOR], timeout=RUN_TIMEOUT_S * 3)
     assert_cases(results, min_checks=10)
+
+
+@pytest.mark.parametrize("world_size", SIZES)
+def test_direct_matches_gloo_and_the_rank_order_fold(worlds, world_size):
+    """The one-step direct all-reduce: rank 0 folds into its buffer, rank 1 with
+    the kernel's operands swapped, the others into a copy; all in rank order."""
+    results = worlds.run(world_size, _sweep, STAGING["default"], FLOAT_DTYPES + OTHER_DTYPES,
+                         SMALL_COUNTS, None, "direct", timeout=RUN_TIMEOUT_S * 3)
+    assert_cases(results, min_checks=100)
 
 
 def _non_contiguous_and_coalesced(ctx):

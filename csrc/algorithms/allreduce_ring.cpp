@@ -15,6 +15,7 @@
 
 #include "algorithms/algorithms.h"
 #include "algorithms/segments.h"
+#include "kernels/reduce_ops.h"
 
 namespace ringreduce {
 namespace {
@@ -111,10 +112,18 @@ void allreduceDirect(const Comm& c, char* data, size_t count, size_t elemSize, R
   }
   c.exchange(sends, recvs);
   // Folded in rank order 0..n-1 on every rank, so all end bitwise identical:
-  // rank 0 folds into its own buffer; the others fold into rank 0's slot
-  // (reading their own buffer in their turn) and copy the result once.
-  if (c.rank == 0) {
-    for (int r = 1; r < c.size; ++r) fn(data, all + r * bytes, count);
+  // rank 0 folds into its own buffer; rank 1 folds rank 0's data into its own
+  // with the operands swapped (op(x0, x1), as rank 0 computes it); the others
+  // fold into rank 0's slot (reading their own buffer in their turn) and copy
+  // the result once.
+  const ReduceFn swapped = c.rank == 1 ? reversedFunction(fn) : nullptr;
+  if (c.rank == 0 || swapped != nullptr) {
+    int r = 1;
+    if (swapped != nullptr) {
+      swapped(data, all, count);
+      r = 2;
+    }
+    for (; r < c.size; ++r) fn(data, all + r * bytes, count);
     return;
   }
   for (int r = 1; r < c.size; ++r) fn(all, r == c.rank ? data : all + r * bytes, count);
