@@ -3,7 +3,8 @@
     python scripts/bench_latency.py                          # this checkout, 2 ranks, shm
     python scripts/bench_latency.py --repo /tmp/old --shm 0  # another checkout's build, TCP
 
-Each op (all_reduce, broadcast, gather, scatter, barrier) of 4 KiB of float32
+Each op (all_reduce, the same with async_op=True and an immediate wait(),
+broadcast, gather, scatter, barrier) of 4 KiB of float32
 runs 200 times as warm-up, then 5 repeats of 1,000; the line printed is rank
 0's median repeat per op, in microseconds, as JSON. Run two builds alternately
 several times and compare medians: one run on a busy machine means little.
@@ -34,6 +35,7 @@ def rank_main(rank, args, path, queue):
     blocks = [torch.empty_like(t) for _ in range(args.nproc)]
     ops = {
         "all_reduce": lambda: dist.all_reduce(t),
+        "all_reduce_async_wait": lambda: dist.all_reduce(t, async_op=True).wait(),
         "broadcast": lambda: dist.broadcast(t, src=0),
         "gather": lambda: dist.gather(t, blocks if rank == 0 else None, dst=0),
         "scatter": lambda: dist.scatter(t, blocks if rank == 0 else None, src=0),

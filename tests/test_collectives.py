@@ -274,6 +274,46 @@ def test_send_recv_in_subgroup(worlds, world_size, ranks):
     assert_cases(worlds.run(world_size, point_to_point, ranks, [torch.float32], counts))
 
 
+def waits_out_of_order(ctx, rounds, k):
+    """Remote: k async all-reduces, waited in a shuffled order, half of them from
+    another thread. wait() runs queued ops on the waiting thread when the worker
+    is idle: they must still run in issue order (the Futures' callbacks record
+    completion order) with the closed-form results."""
+    import random
+    import threading
+
+    n, rank = ctx.world_size, ctx.rank
+    bad = []
+    rng = random.Random(1234)  # the same order on every rank
+    for rnd in range(rounds):
+        done = []
+        tensors = [torch.full((5,), float(rank + i + rnd)) for i in range(k)]
+        works = [dist.all_reduce(t, async_op=True) for t in tensors]
+        for i, w in enumerate(works):
+            w.get_future().then(lambda _f, i=i: done.append(i))
+        order = list(range(k))
+        rng.shuffle(order)
+        other = threading.Thread(target=lambda: [works[i].wait() for i in order[::2]])
+        other.start()
+        for i in order[1::2]:
+            works[i].wait()
+        other.join()
+        for w in works:
+            w.wait()
+        if done != list(range(k)):
+            bad.append(f"round {rnd}: completion order {done}")
+        for i, t in enumerate(tensors):
+            expected = torch.full((5,), float(sum(r + i + rnd for r in range(n))))
+            if not torch.equal(t, expected):
+                bad.append(f"round {rnd}, op {i}: {t.tolist()} != {expected.tolist()}")
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_waits_run_queued_ops_in_issue_order(worlds, world_size):
+    assert worlds.run(world_size, waits_out_of_order, 40, 6) == [[]] * world_size
+
+
 def future_after_wait(ctx, rounds):
     """Remote: after wait() returns, the Future already holds the result."""
     pending = 0

@@ -2,6 +2,8 @@
 // barrier. The other collectives are in collectives.cpp.
 #include "backend/ring_backend.h"
 
+#include <algorithm>
+
 #include "algorithms/algorithms.h"
 #include "backend/validate.h"
 #include "common/env.h"
@@ -132,6 +134,12 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
       return work;
     }
     if (asyncOp || !queue_.empty() || running_) {
+      // The work may outlive the group: it helps only while the group lives.
+      c10::weak_intrusive_ptr<RingBackend> self(
+          c10::intrusive_ptr<RingBackend>::unsafe_reclaim_from_nonowning(this));
+      work->setHelper([self](RingWork* w) {
+        if (auto backend = self.lock()) backend->runQueuedUntil(w);
+      });
       queue_.push_back(std::move(e));
       cv_.notify_one();
       return work;
@@ -172,6 +180,34 @@ void RingBackend::runEntry(Entry& e) {
     // fail now instead of at the timeout.
     transport_->abort(e.op.ctx.message(err.what()));
     e.work->fail(std::current_exception());
+  }
+}
+
+void RingBackend::runQueuedUntil(const RingWork* work) {
+  if (std::this_thread::get_id() == worker_.get_id()) return;  // a Future callback's wait()
+  while (true) {
+    Entry e;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_ || running_) return;
+      if (std::none_of(queue_.begin(), queue_.end(),
+                       [work](const Entry& q) { return q.work.get() == work; })) {
+        return;  // already taken by the worker (running or done)
+      }
+      e = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = true;  // keeps the worker off, as for an inline op
+    }
+    runEntry(e);
+    const bool last = e.work.get() == work;
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = false;
+      wake = !queue_.empty() || stopping_;
+    }
+    if (wake) cv_.notify_one();
+    if (last) return;
   }
 }
 

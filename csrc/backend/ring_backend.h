@@ -138,6 +138,11 @@ class RingBackend : public c10d::Backend {
                                          bool asyncOp, Job run, DeviceStage stage = {},
                                          const std::vector<at::Tensor>& inputs = {});
   void runEntry(Entry& e);
+  // Runs queued ops on the calling thread, in queue order, up to and
+  // including `work`'s, while no other thread runs one; returns at once when
+  // `work` is not queued, another thread is running an op, or the group is
+  // stopping (RingWork::wait then blocks as before).
+  void runQueuedUntil(const RingWork* work);
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;

@@ -76,6 +76,11 @@ std::vector<at::Tensor> RingWork::result() {
 
 bool RingWork::wait(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(doneMu_);
+  if (timeout == kNoTimeout && !done_ && helper_) {
+    lock.unlock();
+    helper_(this);
+    lock.lock();
+  }
   if (timeout == kNoTimeout) {
     doneCv_.wait(lock, [this] { return done_; });
   } else if (!doneCv_.wait_for(lock, timeout, [this] { return done_; })) {

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 
 #include "backend/device_stage.h"
@@ -36,6 +37,12 @@ class RingWork : public c10d::Work {
 
   DeviceStage& stage() { return stage_; }
 
+  // What wait() (without a timeout) calls before it blocks: runs this op, and
+  // those queued before it, on the waiting thread when the worker is idle
+  // (RingBackend::runQueuedUntil), saving the two thread hand-offs of an
+  // async op waited for at once. Set once, before the work is returned.
+  void setHelper(std::function<void(RingWork*)> helper) { helper_ = std::move(helper); }
+
   // Called once, by the thread that ran the op; ends the profiler's event.
   void complete(int sourceRank = -1);
   void fail(std::exception_ptr error);
@@ -46,6 +53,7 @@ class RingWork : public c10d::Work {
  private:
   void endProfiling();
 
+  std::function<void(RingWork*)> helper_;
   const OpContext ctx_;
   std::vector<at::Tensor> outputs_;
   DeviceStage stage_;
