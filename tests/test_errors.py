@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import World
+from _harness import World, backend_under_test
 from _outcomes import assert_survivors_name, backend_of, error_info
 
 R = dist.ReduceOp
@@ -516,3 +516,43 @@ def test_no_fd_or_thread_leaks_over_group_lifetimes(bare_worlds, world_size, sam
         assert threads1 - threads0 <= LEAK_SLACK, (
             f"rank {rank}: threads grew from {threads0} to {threads1} over "
             f"{LEAK_CYCLES - LEAK_WARMUP} groups")
+
+
+# --------------------------------------------------------------------------
+# A Work that outlives its group
+# --------------------------------------------------------------------------
+
+def _work_outlives_group(ctx):
+    """Remote: a finished Work and one its peer never joins, waited after
+    destroy_process_group: the first returns, the second raises at once."""
+    dist.init_process_group(ctx.backend, store=ctx.new_store("outlive"), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    t = torch.ones(8)
+    finished = dist.all_reduce(t, async_op=True)
+    finished.wait()
+    dist.barrier()
+    # Only rank 0 issues it: it is queued or running when the group goes.
+    stuck = dist.all_reduce(torch.ones(8), async_op=True) if ctx.rank == 0 else None
+    dist.destroy_process_group()
+    out = {"finished": finished.wait(), "sum": t[0].item()}
+    if stuck is not None:
+        start = time.monotonic()
+        try:
+            stuck.wait()
+            out["stuck"] = "returned"
+        except Exception as err:
+            out["stuck"] = str(err)
+        out["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce",
+                    reason="ringreduce's Work: wait() may run queued ops on the waiting thread")
+def test_work_waited_after_its_group_is_destroyed(bare_worlds):
+    results = bare_worlds(2).run(_work_outlives_group, timeout=60)
+    assert [r["finished"] for r in results] == [True, True]
+    assert [r["sum"] for r in results] == [2.0, 2.0]
+    stuck = results[0]["stuck"]
+    # "shut down ... pending", or the peer leaving first: either names rank and op
+    assert "rank 0/2" in stuck and "allreduce" in stuck, results[0]
+    assert results[0]["seconds"] < MISMATCH_DETECT_S, results[0]

@@ -14,6 +14,12 @@
 namespace ringreduce {
 namespace {
 
+// Whether this thread is inside runEntry (the worker, an inline op or a
+// helping wait()): a Future callback there that waits on another Work must
+// not try to run ops itself, and shutdown() from there must not wait for
+// its own op to end.
+thread_local bool tRunningOps = false;
+
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
 
@@ -44,11 +50,14 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   // Shared memory with the ranks on this host, TCP with the others; the TCP
   // mesh underneath carries point-to-point and spreads failures.
   transport_ = connectGroup(store, rank, size, timeout);
+  gate_->backend = this;
   worker_ = std::thread([this] { workerLoop(); });
 }
 
 RingBackend::~RingBackend() {
   shutdown();
+  std::lock_guard<std::mutex> lock(gate_->mu);  // waits for a helping wait() to leave
+  gate_->backend = nullptr;
 }
 
 void RingBackend::shutdown() {
@@ -73,6 +82,12 @@ void RingBackend::shutdown() {
   }
   for (auto& e : dropped) {
     e.work->fail(transportError(e.op.ctx.message(why)));
+  }
+  {
+    // An op running on a caller's thread (inline or a helping wait()) is
+    // aborted: let it leave the transport before it is closed.
+    std::unique_lock<std::mutex> lock(mu_);
+    idleCv_.wait(lock, [this] { return !running_ || tRunningOps; });
   }
   if (worker_.joinable()) worker_.join();
   transport_->close();
@@ -134,11 +149,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
       return work;
     }
     if (asyncOp || !queue_.empty() || running_) {
-      // The work may outlive the group: it helps only while the group lives.
-      c10::weak_intrusive_ptr<RingBackend> self(
-          c10::intrusive_ptr<RingBackend>::unsafe_reclaim_from_nonowning(this));
-      work->setHelper([self](RingWork* w) {
-        if (auto backend = self.lock()) backend->runQueuedUntil(w);
+      work->setHelper([gate = gate_](RingWork* w) {
+        if (tRunningOps) return;
+        std::lock_guard<std::mutex> lock(gate->mu);
+        if (gate->backend != nullptr) gate->backend->runQueuedUntil(w);
       });
       queue_.push_back(std::move(e));
       cv_.notify_one();
@@ -147,6 +161,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
     running_ = true;  // keeps the worker off while this op runs here
   }
   runEntry(e);
+  finishRunning();
+  return work;
+}
+
+void RingBackend::finishRunning() {
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -156,11 +175,18 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
   // Only the worker waits on cv_, and only for queued work: waking it for
   // nothing would cost a context switch per small op (measured ~10% of a
   // 4 KiB all-reduce's time on 2 ranks).
-  if (wake) cv_.notify_one();
-  return work;
+  if (wake) {
+    cv_.notify_one();
+    idleCv_.notify_all();
+  }
 }
 
 void RingBackend::runEntry(Entry& e) {
+  struct Mark {
+    bool before = tRunningOps;
+    Mark() { tRunningOps = true; }
+    ~Mark() { tRunningOps = before; }
+  } mark;
   // The op writes into the caller's tensors outside autograd, as gloo's
   // kernels do: leaves that require grad, their views and AVG's in-place
   // division are fine in any grad mode of the calling thread.
@@ -184,7 +210,6 @@ void RingBackend::runEntry(Entry& e) {
 }
 
 void RingBackend::runQueuedUntil(const RingWork* work) {
-  if (std::this_thread::get_id() == worker_.get_id()) return;  // a Future callback's wait()
   while (true) {
     Entry e;
     {
@@ -198,16 +223,12 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
       queue_.pop_front();
       running_ = true;  // keeps the worker off, as for an inline op
     }
+    struct Finish {
+      RingBackend* self;
+      ~Finish() { self->finishRunning(); }  // also when runEntry throws
+    } finish{this};
     runEntry(e);
-    const bool last = e.work.get() == work;
-    bool wake;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      running_ = false;
-      wake = !queue_.empty() || stopping_;
-    }
-    if (wake) cv_.notify_one();
-    if (last) return;
+    if (e.work.get() == work) return;
   }
 }
 
@@ -228,6 +249,7 @@ void RingBackend::workerLoop() {
       running_ = false;
     }
     cv_.notify_all();
+    idleCv_.notify_all();
   }
 }
 

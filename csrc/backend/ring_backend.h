@@ -143,6 +143,9 @@ class RingBackend : public c10d::Backend {
   // `work` is not queued, another thread is running an op, or the group is
   // stopping (RingWork::wait then blocks as before).
   void runQueuedUntil(const RingWork* work);
+  // Ends a run of ops on this thread (inline or in runQueuedUntil): clears
+  // running_ and wakes the worker when work is queued behind it.
+  void finishRunning();
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;
@@ -168,6 +171,15 @@ class RingBackend : public c10d::Backend {
   std::atomic<uint64_t> p2pSeq_{0};
   std::atomic<uint64_t> monitoredSeq_{0};  // monitored barriers called so far
   std::thread worker_;
+  // What a RingWork's wait() reaches the backend through: it may outlive the
+  // backend, so the destructor clears `backend` (under `mu`, which a helping
+  // wait() holds while it runs ops) and the Work then just blocks.
+  struct HelpGate {
+    std::mutex mu;
+    RingBackend* backend = nullptr;
+  };
+  std::shared_ptr<HelpGate> gate_ = std::make_shared<HelpGate>();
+  std::condition_variable idleCv_;  // shutdown() waits on it (with mu_) for !running_
 };
 
 }  // namespace ringreduce
