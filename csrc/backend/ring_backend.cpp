@@ -2,6 +2,8 @@
 // barrier. The other collectives are in collectives.cpp.
 #include "backend/ring_backend.h"
 
+#include <c10/util/ScopeExit.h>
+
 #include <algorithm>
 
 #include "algorithms/algorithms.h"
@@ -160,8 +162,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
     }
     running_ = true;  // keeps the worker off while this op runs here
   }
+  auto finish = c10::make_scope_exit([this] { finishRunning(); });
   runEntry(e);
-  finishRunning();
   return work;
 }
 
@@ -182,11 +184,9 @@ void RingBackend::finishRunning() {
 }
 
 void RingBackend::runEntry(Entry& e) {
-  struct Mark {
-    bool before = tRunningOps;
-    Mark() { tRunningOps = true; }
-    ~Mark() { tRunningOps = before; }
-  } mark;
+  const bool outer = tRunningOps;
+  tRunningOps = true;
+  auto restore = c10::make_scope_exit([outer] { tRunningOps = outer; });
   // The op writes into the caller's tensors outside autograd, as gloo's
   // kernels do: leaves that require grad, their views and AVG's in-place
   // division are fine in any grad mode of the calling thread.
@@ -223,10 +223,7 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
       queue_.pop_front();
       running_ = true;  // keeps the worker off, as for an inline op
     }
-    struct Finish {
-      RingBackend* self;
-      ~Finish() { self->finishRunning(); }  // also when runEntry throws
-    } finish{this};
+    auto finish = c10::make_scope_exit([this] { finishRunning(); });  // also if it throws
     runEntry(e);
     if (e.work.get() == work) return;
   }
@@ -244,12 +241,7 @@ void RingBackend::workerLoop() {
       running_ = true;
     }
     runEntry(e);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      running_ = false;
-    }
-    cv_.notify_all();
-    idleCv_.notify_all();
+    finishRunning();
   }
 }
 

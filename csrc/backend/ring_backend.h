@@ -143,8 +143,8 @@ class RingBackend : public c10d::Backend {
   // `work` is not queued, another thread is running an op, or the group is
   // stopping (RingWork::wait then blocks as before).
   void runQueuedUntil(const RingWork* work);
-  // Ends a run of ops on this thread (inline or in runQueuedUntil): clears
-  // running_ and wakes the worker when work is queued behind it.
+  // Ends an op's run on any thread (worker, inline, runQueuedUntil): clears
+  // running_; wakes the worker when work is queued behind it, and shutdown().
   void finishRunning();
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);
