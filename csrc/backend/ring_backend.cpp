@@ -76,14 +76,14 @@ void RingBackend::shutdown() {
     busy = running_;
   }
   cv_.notify_all();
-  std::string why = rankPrefix(getRank(), getSize()) +
-                    " the process group was shut down (destroy_process_group) with " +
-                    std::to_string(dropped.size() + (busy ? 1 : 0)) + " op(s) pending";
+  const std::string why = "the process group was shut down (destroy_process_group) with " +
+                          std::to_string(dropped.size() + (busy ? 1 : 0)) + " op(s) pending";
   if (busy || !dropped.empty()) {
-    transport_->abort(why);  // unblocks the op in flight; peers learn at once
+    // Unblocks the op in flight; peers learn at once.
+    transport_->abort(rankPrefix(getRank(), getSize()) + " " + why);
   }
   for (auto& e : dropped) {
-    e.work->fail(transportError(e.op.ctx.message(why)));
+    e.work->fail(transportError(e.op.ctx.message(why)));  // ctx names rank, op and tensor
   }
   {
     // An op running on a caller's thread (inline or a helping wait()) is
