@@ -11,6 +11,7 @@ by side in one run (RINGREDUCE_ALLREDUCE is set while its group is created):
     python scripts/bench_collectives.py --nproc 4 --ops allreduce \\
         --backends ringreduce:ring ringreduce:direct ringreduce:two_step
     ... --backends ringreduce:two_step@256K ringreduce:two_step@4M   # staging areas
+    ... --backends ringreduce:auto+plain ringreduce:auto+streaming   # ring stores
 
 Without torchrun it spawns --nproc ranks on this host (FileStore rendezvous);
 under torchrun it takes RANK/WORLD_SIZE from the environment and ignores --nproc.
@@ -155,26 +156,37 @@ def fill_row(row, op, reps, plan_, wrong):
 # ------------------------------------------------------------ groups
 
 def new_group(name, timeout):
-    """A group of backend `name`: "gloo", "ringreduce", or "ringreduce:<algorithm>"
-    (an all-reduce algorithm, RINGREDUCE_ALLREDUCE while the group is created),
-    optionally "@<size>": the two-step all-reduce's staging areas (e.g. 256K)."""
+    """A group of backend `name`: "gloo", "ringreduce", or
+    "ringreduce:<algorithm>[@<size>][+<stores>]": an all-reduce algorithm
+    (RINGREDUCE_ALLREDUCE while the group is created; "auto" the backend's
+    choice), the two-step all-reduce's staging areas (e.g. @256K), and how its
+    shared-memory rings are written (+plain or +streaming stores; by default
+    streaming when the host's ranks fit in its cores)."""
     backend, _, spec = name.partition(":")
     if not spec:
         return dist.new_group(backend=backend, timeout=timeout)
+    spec, _, stores = spec.partition("+")
     algorithm, _, staging = spec.partition("@")
+    if stores not in RING_STORES:
+        raise ValueError(f"{name}: ring stores must be one of {sorted(RING_STORES)[1:]}")
     from torch_ringreduce import _C
 
     saved = os.environ.get("RINGREDUCE_ALLREDUCE")
-    os.environ["RINGREDUCE_ALLREDUCE"] = algorithm
+    os.environ["RINGREDUCE_ALLREDUCE"] = algorithm or "auto"
     old = _C._shm_test_staging_bytes(bu.parse_size(staging) if staging else 0)
+    old_stores = _C._shm_test_ring_stores(RING_STORES[stores])
     try:
         return dist.new_group(backend=backend, timeout=timeout)
     finally:
+        _C._shm_test_ring_stores(old_stores)
         _C._shm_test_staging_bytes(old)
         if saved is None:
             del os.environ["RINGREDUCE_ALLREDUCE"]
         else:
             os.environ["RINGREDUCE_ALLREDUCE"] = saved
+
+
+RING_STORES = {"": -1, "plain": 0, "streaming": 1}
 
 
 def create_groups(backends, ctx, args, hint):

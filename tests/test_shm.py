@@ -112,3 +112,48 @@ def _segments_after_groups(ctx):
 def test_no_segment_left_in_dev_shm(worlds):
     """Rank 0 unlinks the segment once every rank has mapped it."""
     assert worlds.run(2, _segments_after_groups) == [[], []]
+
+
+STORE_MODES = {"plain": 0, "streaming": 1}
+ODD_BYTES = [1, 63, 255, 256, 257, 1000, 4097, 70_001]  # ring positions end up unaligned
+
+
+def _ring_stores_exact(ctx):
+    """Data-moving collectives through 4 KiB rings written with plain and with
+    streaming stores: the bytes that arrive, compared with the closed form."""
+    from torch_ringreduce import _C
+
+    rank, n = ctx.rank, ctx.world_size
+    failures = []
+    for mode, value in STORE_MODES.items():
+        old = _C._shm_test_ring_stores(value)
+        try:
+            group = _group_with_env(RINGREDUCE_SHM_RING_BYTES=4096)
+        finally:
+            _C._shm_test_ring_stores(old)
+        if _kind(group) != "shm":
+            failures.append(f"{mode}: the group is on {_kind(group)}")
+            continue
+        for size in ODD_BYTES:
+            def payload(r):
+                gen = torch.Generator().manual_seed(size * 31 + r)
+                return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+            t = payload(n - 1) if rank == n - 1 else torch.zeros(size, dtype=torch.uint8)
+            dist.broadcast(t, src=n - 1, group=group)
+            if not torch.equal(t, payload(n - 1)):
+                failures.append(f"{mode}: broadcast of {size} bytes differs")
+            outs = [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
+            dist.all_gather(outs, payload(rank), group=group)
+            for r in range(n):
+                if not torch.equal(outs[r], payload(r)):
+                    failures.append(f"{mode}: all_gather of {size} bytes, rank {r}'s differs")
+        dist.destroy_process_group(group)
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_stores_move_exact_bytes(worlds, world_size):
+    """Streaming (non-temporal) copies into the rings cover a message's unaligned
+    start, whole lines and tail, and wrap the ring, exactly as memcpy does."""
+    for rank, failures in enumerate(worlds.run(world_size, _ring_stores_exact)):
+        assert failures == [], f"rank {rank}: {failures}"

@@ -72,6 +72,19 @@ PYBIND11_MODULE(_C, m) {
       "Every rank must set the same.");
 
   m.def(
+      "_shm_test_ring_stores",
+      [](int mode) {
+        TORCH_CHECK_VALUE(mode >= -1 && mode <= 1, "ring stores: -1, 0 or 1, got ", mode);
+        int old = ringreduce::shm::hooks().ringStores;
+        ringreduce::shm::hooks().ringStores = mode;
+        return old;
+      },
+      py::arg("mode"),
+      "Testing and benchmarks only: how shared-memory groups created from now on copy into "
+      "their rings: -1 as the host's ranks and cores say (the default), 0 plain stores, "
+      "1 streaming (non-temporal) stores. Returns the previous value.");
+
+  m.def(
       "_choose_allreduce",
       [](size_t bytes, int size, bool shared, const std::string& forced, int hosts) {
         using A = ringreduce::AllreduceAlgorithm;

@@ -41,8 +41,7 @@ WaitPolicy::WaitPolicy(int worldSize) {
 
 void WaitPolicy::setLocalRanks(int ranks) {
   localRanks_ = std::max(1, ranks);
-  const bool fits = static_cast<unsigned>(localRanks_) <= cores_;
-  spinUs_ = envInt(kEnvSpinUs, fits ? kDefaultSpinUs : 0);
+  spinUs_ = envInt(kEnvSpinUs, ranksFitCores() ? kDefaultSpinUs : 0);
   // Yielding also when the ranks fit: once the spin is over (or not allowed,
   // the machine being busy), a yield that finds nothing else to run costs
   // about what a spin pass costs, where a sleep costs a futex wake-up on

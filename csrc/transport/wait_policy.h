@@ -36,6 +36,10 @@ class WaitPolicy {
   // before the first wait.
   void setLocalRanks(int ranks);
 
+  // Whether this host's ranks of the group are no more than its cores (each
+  // can have a core to itself), as set by setLocalRanks.
+  bool ranksFitCores() const { return static_cast<unsigned>(localRanks_) <= cores_; }
+
   // The budgets for the wait that is starting now, in microseconds of idle time.
   int64_t spinUs();
   int64_t yieldUs();

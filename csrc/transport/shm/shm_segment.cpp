@@ -7,6 +7,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 namespace ringreduce {
 namespace shm {
@@ -55,6 +60,33 @@ Layout Layout::of(int size, size_t ringBytes, size_t stagingBytes) {
   l.slots = l.flags + sizeof(StageFlags) * n;
   l.total = l.slots + 2 * n * l.slotBytes();
   return l;
+}
+
+void copyIntoRing(char* dst, const char* src, size_t n, bool streaming) {
+#if defined(__x86_64__)
+  constexpr size_t kLine = 64;
+  // Below a few lines the fence costs more than the lines it saves.
+  if (streaming && n >= 4 * kLine) {
+    const size_t lead = (kLine - reinterpret_cast<uintptr_t>(dst) % kLine) % kLine;
+    std::memcpy(dst, src, lead);
+    size_t i = lead;
+    for (; i + kLine <= n; i += kLine) {
+      const auto* from = reinterpret_cast<const __m128i*>(src + i);
+      auto* to = reinterpret_cast<__m128i*>(dst + i);
+      const __m128i a = _mm_loadu_si128(from), b = _mm_loadu_si128(from + 1);
+      const __m128i c = _mm_loadu_si128(from + 2), d = _mm_loadu_si128(from + 3);
+      _mm_stream_si128(to, a);
+      _mm_stream_si128(to + 1, b);
+      _mm_stream_si128(to + 2, c);
+      _mm_stream_si128(to + 3, d);
+    }
+    std::memcpy(dst + i, src + i, n - i);
+    _mm_sfence();
+    return;
+  }
+#endif
+  (void)streaming;
+  std::memcpy(dst, src, n);
 }
 
 void futexWake(std::atomic<uint32_t>* word) {

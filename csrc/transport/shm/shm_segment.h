@@ -112,6 +112,17 @@ class Segment {
 
 void futexWake(std::atomic<uint32_t>* word);
 
+// Copies n bytes into a ring whose consumer, a peer rank, reads them next.
+// `streaming` (x86-64): whole 64-byte lines with non-temporal stores, then a
+// store fence, so the bytes are visible before the caller publishes `head`.
+// A plain store must first take the line back from the consumer's cache,
+// where it read the ring's last lap; with every rank on its own core that
+// transfer dominated the copy (2 ranks: broadcast 1.7-3.9x faster from 1 MiB,
+// 64 KiB all-reduce 0.89x the time; docs/DESIGN.md). With more ranks on the
+// host than cores a consumer often runs next on the producer's own core,
+// where plain stores leave the bytes in its caches: there `streaming` is off.
+void copyIntoRing(char* dst, const char* src, size_t n, bool streaming);
+
 // Fails `op` if this transport or any rank aborted the group (the segment's
 // flag goes up before a failing rank publishes its error: see DESIGN.md).
 void throwIfAborted(Mesh& mesh, Segment& seg, const OpInfo& op);
@@ -149,8 +160,10 @@ class PeerWait {
 
 // shm_transport.cpp: the transport over a mapped segment (it unmaps it);
 // point-to-point goes to `p2p`.
+// `streaming`: whether copies into rings use copyIntoRing's streaming stores.
 std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology,
-                                            Members members, void* base, const Layout& layout);
+                                            Members members, void* base, const Layout& layout,
+                                            bool streaming);
 // shm_direct.cpp: the segment's staging areas as SharedBuffers.
 std::unique_ptr<SharedBuffers> makeSharedBuffers(Mesh& mesh, Segment& seg,
                                                  const Members& members);

@@ -19,10 +19,10 @@ using RecvState = RecvProgress;
 class ShmTransport : public Transport {
  public:
   ShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology, Members members,
-               void* base, const Layout& layout)
+               void* base, const Layout& layout, bool streaming)
       : mesh_(mesh), p2p_(p2p), topology_(topology), members_(std::move(members)),
         rank_(members_.me), size_(layout.size), base_(base), seg_(base, layout),
-        ringBytes_(layout.ringBytes) {
+        ringBytes_(layout.ringBytes), streaming_(streaming) {
     shared_ = makeSharedBuffers(mesh_, seg_, members_);
   }
 
@@ -83,7 +83,7 @@ class ShmTransport : public Transport {
       } else {
         src = static_cast<const char*>(s.spec->data) + (off - sizeof(WireHeader));
       }
-      std::memcpy(ringBase + at, src, piece);
+      copyIntoRing(ringBase + at, src, piece, streaming_);
       written += piece;
     }
     c.head.store(head + n, std::memory_order_release);
@@ -159,6 +159,7 @@ class ShmTransport : public Transport {
   void* base_;
   Segment seg_;
   const size_t ringBytes_;
+  const bool streaming_;
   std::unique_ptr<SharedBuffers> shared_;
 };
 
@@ -204,8 +205,10 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
 }  // namespace
 
 std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology,
-                                            Members members, void* base, const Layout& layout) {
-  return std::make_unique<ShmTransport>(mesh, p2p, topology, std::move(members), base, layout);
+                                            Members members, void* base, const Layout& layout,
+                                            bool streaming) {
+  return std::make_unique<ShmTransport>(mesh, p2p, topology, std::move(members), base, layout,
+                                        streaming);
 }
 
 }  // namespace shm

@@ -40,6 +40,9 @@ struct ShmTestHooks {
   // Bytes of each staging area of the two-step all-reduce in groups created
   // from now on (0: the default); every rank must set the same.
   int64_t stagingBytes = 0;
+  // How copies into rings store in groups created from now on: -1 as the
+  // host's ranks and cores say (copyIntoRing), 0 plain stores, 1 streaming.
+  int ringStores = -1;
 };
 ShmTestHooks& hooks();
 
