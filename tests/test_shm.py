@@ -115,7 +115,7 @@ def test_no_segment_left_in_dev_shm(worlds):
 
 
 STORE_MODES = {"plain": 0, "streaming": 1}
-ODD_BYTES = [1, 63, 255, 256, 257, 1000, 4097, 70_001]  # ring positions end up unaligned
+ODD_BYTES = [1, 63, 257, 4097, 16_384, 16_447, 70_001, 100_003]  # unaligned ring positions
 
 
 def _ring_stores_exact(ctx):
@@ -153,7 +153,8 @@ def _ring_stores_exact(ctx):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ring_stores_move_exact_bytes(worlds, world_size):
-    """Streaming (non-temporal) copies into the rings cover a message's unaligned
-    start, whole lines and tail, and wrap the ring, exactly as memcpy does."""
+    """Streaming (non-temporal) copies into the rings (messages of 16 KiB and more)
+    cover a message's unaligned start, whole lines and tail, and wrap the ring,
+    exactly as memcpy does."""
     for rank, failures in enumerate(worlds.run(world_size, _ring_stores_exact)):
         assert failures == [], f"rank {rank}: {failures}"

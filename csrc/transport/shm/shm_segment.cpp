@@ -65,7 +65,8 @@ Layout Layout::of(int size, size_t ringBytes, size_t stagingBytes) {
 void copyIntoRing(char* dst, const char* src, size_t n, bool streaming) {
 #if defined(__x86_64__)
   constexpr size_t kLine = 64;
-  // Below a few lines the fence costs more than the lines it saves.
+  // Below a few lines (a message's head or the end of a lap) the fence costs
+  // more than the lines it saves.
   if (streaming && n >= 4 * kLine) {
     const size_t lead = (kLine - reinterpret_cast<uintptr_t>(dst) % kLine) % kLine;
     std::memcpy(dst, src, lead);

@@ -117,10 +117,13 @@ void futexWake(std::atomic<uint32_t>* word);
 // store fence, so the bytes are visible before the caller publishes `head`.
 // A plain store must first take the line back from the consumer's cache,
 // where it read the ring's last lap; with every rank on its own core that
-// transfer dominated the copy (2 ranks: broadcast 1.7-3.9x faster from 1 MiB,
-// 64 KiB all-reduce 0.89x the time; docs/DESIGN.md). With more ranks on the
+// transfer dominated the copy of large messages (2 ranks: broadcast 1.2-2.1x
+// faster from 1 MiB, the 64 KiB all-reduce 1.6-1.8x; docs/DESIGN.md). Below
+// kStreamingMinBytes a message streams no faster (its consumer then reads it
+// from memory instead of the producer's cache), and with more ranks on the
 // host than cores a consumer often runs next on the producer's own core,
-// where plain stores leave the bytes in its caches: there `streaming` is off.
+// where plain stores leave the bytes in its caches: there streaming is off.
+constexpr size_t kStreamingMinBytes = 16 << 10;
 void copyIntoRing(char* dst, const char* src, size_t n, bool streaming);
 
 // Fails `op` if this transport or any rank aborted the group (the segment's

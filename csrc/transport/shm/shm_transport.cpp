@@ -72,6 +72,7 @@ class ShmTransport : public Transport {
     const size_t n = std::min<size_t>(room, s.total() - s.done);
     if (n == 0) return false;
     char* ringBase = seg_.ringData(rank_, to);
+    const bool streaming = streaming_ && s.spec->bytes >= kStreamingMinBytes;
     for (size_t written = 0; written < n;) {
       const size_t at = (head + written) % ringBytes_;
       size_t piece = std::min(n - written, ringBytes_ - at);
@@ -83,7 +84,7 @@ class ShmTransport : public Transport {
       } else {
         src = static_cast<const char*>(s.spec->data) + (off - sizeof(WireHeader));
       }
-      copyIntoRing(ringBase + at, src, piece, streaming_);
+      copyIntoRing(ringBase + at, src, piece, streaming);
       written += piece;
     }
     c.head.store(head + n, std::memory_order_release);
