@@ -15,20 +15,25 @@ only take part in the timing's barrier and maximum) with the sweep's own
 measure_size, right after the smallest all-reduce row: the cost of the call
 itself, the floor the rows at that size are compared with ("over the floor").
 
---memcpy measures one core's copy bandwidth in the same run, before the
-sweep: torch's copy_ between two float32 buffers of the sweep's largest size
-with torch.set_num_threads(1), on rank 0 while the others wait in a barrier,
-best of MEMCPY_REPEATS; bytes copied per second (each byte is read once and
+--memcpy measures one core's copy bandwidth in the same run: torch's copy_
+between two float32 buffers of the sweep's largest size with
+torch.set_num_threads(1), on rank 0 while the others wait in a barrier,
+MEMCPY_REPEATS times; bytes copied per second (each byte is read once and
 written once). Then every rank copies at once, each repeat started by a
 barrier: what the memory gives each of n cores together, which bounds a large
 all-reduce (each rank reads its input and writes its output at least once).
-Every row gets busbw / memcpy and busbw / memcpy of all ranks at once; the
-table's footer gives both at the largest size.
+Both are measured before the sweep (the head lines) and again after each
+op's table, so the largest rows, measured last, have copies minutes apart on
+either side: the machine's bandwidth drifts. Every row gets busbw / memcpy
+(the row's median repeat over the copies' median: busbw_per_memcpy; the best
+over the best: busbw_per_memcpy_best) and busbw / memcpy of all ranks at once
+(medians); the table's footer gives them at the largest size.
 """
 import argparse
 import dataclasses
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -195,9 +200,13 @@ def memcpy_bandwidth(nbytes, repeats=MEMCPY_REPEATS, before_each=None):
             times.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-    return {"bytes": count * 4, "best_s": min(times), "GBps": count * 4 / min(times) / 1e9,
-            "median_GBps": count * 4 / sorted(times)[len(times) // 2] / 1e9,
-            "repeats": repeats, "threads": 1, "how": "torch.Tensor.copy_, float32"}
+    return _copy_summary(count * 4, times)
+
+
+def _copy_summary(nbytes, times):
+    return {"bytes": nbytes, "best_s": min(times), "GBps": nbytes / min(times) / 1e9,
+            "median_GBps": nbytes / statistics.median(times) / 1e9, "times_s": times,
+            "repeats": len(times), "threads": 1, "how": "torch.Tensor.copy_, float32"}
 
 
 class References:
@@ -206,6 +215,7 @@ class References:
     def __init__(self, args, ctx, timeout):
         self.solo = self.floor = self.memcpy = self.memcpy_all = None
         self.errors = {}
+        self.rank, self.n, self.want_memcpy = ctx.rank, ctx.n, args.memcpy
         if args.floor:
             try:
                 self.solo = SoloGroup(args.floor, timeout)
@@ -215,15 +225,26 @@ class References:
                 self.solo = None
                 self.errors.setdefault("floor", "failed on another rank")
         if args.memcpy:
-            if ctx.rank == 0:
-                self.memcpy = memcpy_bandwidth(args.maxbytes)
-            dist.barrier()  # the others wait here, off the cores, while rank 0 copies
-            # Then every rank copies at once: an all-reduce must read each rank's
-            # input and write its output, so this is what the memory gives n ranks.
-            self.memcpy_all = memcpy_bandwidth(args.maxbytes, before_each=dist.barrier)
-            self.memcpy_all["ranks"] = ctx.n
+            self.nbytes = args.maxbytes
+            self._measure_copies()
         for line in self.head() if ctx.rank == 0 else []:
             print(line, flush=True)
+
+    def _measure_copies(self):
+        """One core's copies (rank 0), then every rank's at once; added to the
+        repeats measured so far."""
+        def merged(old, new):
+            return new if old is None else _copy_summary(old["bytes"],
+                                                        old["times_s"] + new["times_s"])
+
+        if self.rank == 0:
+            self.memcpy = merged(self.memcpy, memcpy_bandwidth(self.nbytes))
+        dist.barrier()  # the others wait here, off the cores, while rank 0 copies
+        # Then every rank copies at once: an all-reduce must read each rank's
+        # input and write its output, so this is what the memory gives n ranks.
+        self.memcpy_all = merged(self.memcpy_all,
+                                 memcpy_bandwidth(self.nbytes, before_each=dist.barrier))
+        self.memcpy_all["ranks"] = self.n
 
     def head(self):
         lines = [f"# floor: could not create the one-rank group: {self.errors['floor']}"
@@ -256,20 +277,33 @@ class References:
         return [f"{head} {floor_us:.1f} us; over it (us): {', '.join(over)}"]
 
     def after_table(self, rows):
-        """busbw / memcpy on every row; the footer line at the largest size."""
-        if not self.memcpy or not rows:
+        """Copies again, then busbw / memcpy on every row; the footer lines at the
+        largest size. Every rank calls it (the copies take barriers)."""
+        if not self.want_memcpy or not rows:
+            return []
+        self._measure_copies()
+        if self.rank != 0:
             return []
         lines = []
         largest = max(r["size_bytes"] for r in rows)
-        for key, ref, what in (("busbw_per_memcpy", self.memcpy, "memcpy"),
-                               ("busbw_per_memcpy_all", self.memcpy_all, "memcpy all ranks")):
+        one, every = self.memcpy, self.memcpy_all
+        for key, ref_bw, best, what in (
+                ("busbw_per_memcpy", one["median_GBps"], False, "memcpy"),
+                ("busbw_per_memcpy_best", one["GBps"], True, "memcpy"),
+                ("busbw_per_memcpy_all", every["median_GBps"], False, "memcpy all ranks")):
             for row in rows:
-                if row["busbw_GBps"] is not None:
-                    row[key] = row["busbw_GBps"] / ref["GBps"]
+                if row["busbw_GBps"] is None:
+                    continue
+                busbw = row["busbw_GBps"]
+                if best:  # the row's best repeat instead of its median
+                    busbw *= row["time_us"] / min(row["time_us_repeats"])
+                row[key] = busbw / ref_bw
             parts = [f"{r['backend']} {r[key]:.2f}" for r in rows
                      if r["size_bytes"] == largest and key in r]
-            lines.append(f"# busbw / {what} ({ref['GBps']:.2f} GB/s) at "
-                         f"{bu.size_label(largest)}: {', '.join(parts) or 'n/a'}")
+            how = "best / best" if best else "median / median"
+            lines.append(f"# busbw / {what} ({ref_bw:.2f} GB/s; {how}, the run's "
+                         f"{len(one['times_s'])} copies so far) at {bu.size_label(largest)}: "
+                         f"{', '.join(parts) or 'n/a'}")
         return lines
 
     def to_json(self):

@@ -75,6 +75,7 @@ def test_mpi_rows_are_right(tmp_path):
             assert row["error"] is None and row["wrong"] == 0, (row, text)
             assert row["world_size"] == 2 and row["time_us"] > 0, (row, text)
             assert row["busbw_per_memcpy"] > 0, (row, text)
+            assert row["busbw_per_memcpy_best"] > 0, (row, text)
             assert row["busbw_per_memcpy_all"] > 0, (row, text)
     floor = doc["reference"]["floor"]
     assert floor["world_size"] == 1 and floor["wrong"] == 0 and floor["time_us"] > 0, text
