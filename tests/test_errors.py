@@ -525,12 +525,20 @@ def test_no_fd_or_thread_leaks_over_group_lifetimes(bare_worlds, world_size, sam
 def _work_outlives_group(ctx):
     """Remote: a finished Work and one its peer never joins, waited after
     destroy_process_group: the first returns, the second raises at once."""
-    dist.init_process_group(ctx.backend, store=ctx.new_store("outlive"), rank=ctx.rank,
+    store = ctx.new_store("outlive")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
                             world_size=ctx.world_size, timeout=ctx.pg_timeout)
     t = torch.ones(8)
     finished = dist.all_reduce(t, async_op=True)
     finished.wait()
     dist.barrier()
+    # Rank 0's shutdown below aborts the group (an op is pending): rank 1 must
+    # be out of the barrier first, or its last check of the barrier sees the
+    # group-wide abort flag and fails it (the flag does not say which op).
+    if ctx.rank == 1:
+        store.set("outlive/past_barrier", "1")
+    else:
+        store.wait(["outlive/past_barrier"])
     # Only rank 0 issues it: it is queued or running when the group goes.
     stuck = dist.all_reduce(torch.ones(8), async_op=True) if ctx.rank == 0 else None
     dist.destroy_process_group()
