@@ -3,6 +3,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <utility>
+
 #include "algorithms/algorithms.h"
 #include "algorithms/segments.h"
 #include "backend/ring_backend.h"
@@ -61,11 +63,7 @@ PYBIND11_MODULE(_C, m) {
       "Testing only: rank 0 SIGKILLs itself right after creating a shared-memory segment");
   m.def(
       "_shm_test_staging_bytes",
-      [](int64_t bytes) {
-        int64_t old = ringreduce::shm::hooks().stagingBytes;
-        ringreduce::shm::hooks().stagingBytes = bytes;
-        return old;
-      },
+      [](int64_t bytes) { return std::exchange(ringreduce::shm::hooks().stagingBytes, bytes); },
       py::arg("bytes"),
       "Testing and benchmarks only: bytes of each staging area of the two-step all-reduce in "
       "shared-memory groups created from now on (0: the default); returns the previous value. "
@@ -75,9 +73,7 @@ PYBIND11_MODULE(_C, m) {
       "_shm_test_ring_stores",
       [](int mode) {
         TORCH_CHECK_VALUE(mode >= -1 && mode <= 1, "ring stores: -1, 0 or 1, got ", mode);
-        int old = ringreduce::shm::hooks().ringStores;
-        ringreduce::shm::hooks().ringStores = mode;
-        return old;
+        return std::exchange(ringreduce::shm::hooks().ringStores, mode);
       },
       py::arg("mode"),
       "Testing and benchmarks only: how shared-memory groups created from now on copy into "
