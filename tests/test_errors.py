@@ -531,14 +531,10 @@ def _work_outlives_group(ctx):
     t = torch.ones(8)
     finished = dist.all_reduce(t, async_op=True)
     finished.wait()
+    # Rank 0's shutdown below aborts the group (an op is pending), possibly
+    # while rank 1 still makes its last check of the barrier: the abort names
+    # rank 0's first unfinished op, so the finished barrier stands.
     dist.barrier()
-    # Rank 0's shutdown below aborts the group (an op is pending): rank 1 must
-    # be out of the barrier first, or its last check of the barrier sees the
-    # group-wide abort flag and fails it (the flag does not say which op).
-    if ctx.rank == 1:
-        store.set("outlive/past_barrier", "1")
-    else:
-        store.wait(["outlive/past_barrier"])
     # Only rank 0 issues it: it is queued or running when the group goes.
     stuck = dist.all_reduce(torch.ones(8), async_op=True) if ctx.rank == 0 else None
     dist.destroy_process_group()
@@ -552,6 +548,60 @@ def _work_outlives_group(ctx):
             out["stuck"] = str(err)
         out["seconds"] = time.monotonic() - start
     return out
+
+
+def _abort_after_a_finished_op(ctx):
+    """Remote: both ranks run an all_reduce; rank 1 then sleeps before its
+    final check of it (confirm) while rank 0, done, aborts the group in an op
+    only it issues. Then rank 1 runs one more op."""
+    store = ctx.new_store("abortseq")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    from torch_ringreduce import _C
+    t = torch.arange(4096, dtype=torch.float32) * (ctx.rank + 1)
+    if ctx.rank == 0:
+        dist.all_reduce(t)
+        dist.all_reduce(torch.ones(8), async_op=True)  # pending: destroy aborts
+        dist.destroy_process_group()
+        store.set("abortseq/aborted", "1")
+        store.wait(["abortseq/checked"])  # rank 0's process outlives rank 1's check
+        return {}
+    previous = _C._shm_test_confirm_delay_ms(2000)
+    out = {}
+    try:
+        dist.all_reduce(t)
+        out["allreduce"] = torch.equal(t, torch.arange(4096, dtype=torch.float32) * 3)
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        out["allreduce"] = str(err)
+    finally:
+        _C._shm_test_confirm_delay_ms(previous)
+    # The abort came while rank 1 slept in its check, or the case is not tested.
+    out["aborted_before_check"] = store.check(["abortseq/aborted"])
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8))
+        out["next"] = "returned"
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        out["next"] = str(err)
+    out["seconds"] = time.monotonic() - start
+    dist.destroy_process_group()
+    store.set("abortseq/checked", "1")
+    return out
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce",
+                    reason="the shared-memory abort flag is ringreduce's")
+def test_abort_fails_only_the_ops_the_aborting_rank_did_not_finish(bare_worlds):
+    """A rank that aborts in a later op finished the earlier ones: a peer
+    still running an earlier op completes it with the data; its next op, the
+    one the aborting rank abandoned, fails fast and says why."""
+    results = bare_worlds(2).run(_abort_after_a_finished_op, timeout=60)
+    late = results[1]
+    assert late["aborted_before_check"] is True, late
+    assert late["allreduce"] is True, late
+    assert "rank 1/2" in late["next"] and "allreduce" in late["next"], late
+    assert "abort" in late["next"] or "shut down" in late["next"], late
+    assert late["seconds"] < MISMATCH_DETECT_S, late
 
 
 @pytest.mark.skipif(backend_under_test() != "ringreduce",

@@ -81,6 +81,13 @@ PYBIND11_MODULE(_C, m) {
       "1 streaming (non-temporal) stores. Returns the previous value.");
 
   m.def(
+      "_shm_test_confirm_delay_ms",
+      [](int64_t ms) { return std::exchange(ringreduce::shm::hooks().confirmDelayMs, ms); },
+      py::arg("ms"),
+      "Testing only: each shared-memory op's final check (confirm) first sleeps this long "
+      "(0: not at all); returns the previous value.");
+
+  m.def(
       "_choose_allreduce",
       [](size_t bytes, int size, bool shared, const std::string& forced, int hosts) {
         using A = ringreduce::AllreduceAlgorithm;

@@ -102,9 +102,11 @@ class RoutedTransport : public Transport {
   }
 
   // The segment's flag covers this host's peers; TCP's abort frames the others.
+  // The shared-memory side goes last: it records the op as confirmed, and an
+  // abort after that tells this host's peers the op was not abandoned.
   void confirm(const OpInfo& op) override {
-    shm_->confirm(op);
     if (mixed_) tcp_->confirm(op);
+    shm_->confirm(op);
   }
   // Raises the segment's flag first (one op, one outcome), then aborts the mesh.
   void abort(const std::string& reason) override { shm_->abort(reason); }

@@ -101,9 +101,17 @@ void Segment::ring(int rank) {
   if (b.sleeping.load() != 0) futexWake(&b.ring);
 }
 
+void raiseAbortFlag(Segment& seg, uint64_t from) {
+  std::atomic<uint64_t>& flag = seg.header().abortedFrom;
+  uint64_t seen = flag.load();
+  while ((seen == 0 || from < seen) && !flag.compare_exchange_weak(seen, from)) {
+  }
+}
+
 void throwIfAborted(Mesh& mesh, Segment& seg, const OpInfo& op) {
   if (mesh.aborted()) throwTransportError(unusable(op, mesh.abortReason()));
-  if (seg.header().aborted.load(std::memory_order_relaxed) != 0) {
+  const uint64_t from = seg.header().abortedFrom.load(std::memory_order_relaxed);
+  if (from != 0 && from <= op.ctx.seq) {
     mesh.awaitPeerError();
     mesh.failOp(op, -1, "another rank aborted the group");
   }

@@ -37,7 +37,7 @@ struct Members {
   int size() const { return static_cast<int>(ranks.size()); }
 };
 
-constexpr uint64_t kSegmentMagic = 0x52524453484d3032;  // "RRDSHM02"
+constexpr uint64_t kSegmentMagic = 0x52524453484d3033;  // "RRDSHM03"
 constexpr size_t kSlotStampBytes = 64;
 
 struct alignas(64) Doorbell {
@@ -50,7 +50,9 @@ struct SegmentHeader {
   int64_t size;
   int64_t ringBytes;
   int64_t stagingBytes;
-  alignas(64) std::atomic<uint32_t> aborted;
+  // 0 while no rank aborted; else the lowest op seq that an aborting rank
+  // had not finished (ops before it completed on that rank, and stay valid).
+  alignas(64) std::atomic<uint64_t> abortedFrom;
 };
 
 // One direction of one pair: the producer owns head, the consumer owns tail;
@@ -126,9 +128,13 @@ void futexWake(std::atomic<uint32_t>* word);
 constexpr size_t kStreamingMinBytes = 16 << 10;
 void copyIntoRing(char* dst, const char* src, size_t n, bool streaming);
 
-// Fails `op` if this transport or any rank aborted the group (the segment's
-// flag goes up before a failing rank publishes its error: see DESIGN.md).
+// Fails `op` if this transport aborted, or a rank aborted the group before
+// finishing `op` (the segment's flag goes up before a failing rank publishes
+// its error: see DESIGN.md). A rank that aborted in a later op finished this
+// one, so its abort does not fail it.
 void throwIfAborted(Mesh& mesh, Segment& seg, const OpInfo& op);
+// Raises the segment's abort flag for every op from seq `from` on.
+void raiseAbortFlag(Segment& seg, uint64_t from);
 
 // How a rank waits for its peers in the segment, for every wait alike:
 // busy-poll, then yield, then sleep on its doorbell a few ms at a time, as

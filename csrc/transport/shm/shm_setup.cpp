@@ -164,7 +164,7 @@ std::unique_ptr<Transport> attach(Mesh& mesh, Transport& p2p, const Topology& to
       h->size = members.size();
       h->ringBytes = ringBytes;
       h->stagingBytes = stagingBytes;
-      h->aborted.store(0);
+      h->abortedFrom.store(0);
       // Doorbells and ring counters start at zero (fresh pages are zeroed).
       if (hooks().dieAfterCreate) ::raise(SIGKILL);
     }

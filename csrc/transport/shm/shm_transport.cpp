@@ -5,7 +5,9 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "transport/shm/shm_segment.h"
 
@@ -45,11 +47,19 @@ class ShmTransport : public Transport {
   }
 
   // Every rank that fails an op raises the segment's flag before anything
-  // else, so a flag still down means no peer abandoned this op.
-  void confirm(const OpInfo& op) override { throwIfAborted(mesh_, seg_, op); }
+  // else, so a flag below this op's seq, or down, means no peer abandoned it.
+  void confirm(const OpInfo& op) override {
+    if (hooks().confirmDelayMs > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(hooks().confirmDelayMs));
+    }
+    throwIfAborted(mesh_, seg_, op);
+    confirmed_.store(op.ctx.seq);
+  }
 
+  // The flag names the first op this rank did not confirm: a peer still
+  // checking an earlier op (its transfers done) must not fail it.
   void abort(const std::string& reason) override {
-    seg_.header().aborted.store(1);
+    raiseAbortFlag(seg_, confirmed_.load() + 1);
     for (int r = 0; r < size_; ++r) seg_.ring(r);
     mesh_.abort(reason);
   }
@@ -162,6 +172,8 @@ class ShmTransport : public Transport {
   const size_t ringBytes_;
   const bool streaming_;
   std::unique_ptr<SharedBuffers> shared_;
+  // The seq of the last op confirmed here (abort() may run on another thread).
+  std::atomic<uint64_t> confirmed_{0};
 };
 
 void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,

@@ -43,6 +43,9 @@ struct ShmTestHooks {
   // How copies into rings store in groups created from now on: -1 as the
   // host's ranks and cores say (copyIntoRing), 0 plain stores, 1 streaming.
   int ringStores = -1;
+  // confirm() sleeps this long before its check: widens the window between
+  // an op's last transfer and its final check (the abort-flag tests).
+  int64_t confirmDelayMs = 0;
 };
 ShmTestHooks& hooks();
 
