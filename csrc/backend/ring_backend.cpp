@@ -257,6 +257,10 @@ std::string RingBackend::transportKind(const std::string& device) const {
   return transport_->name();
 }
 
+const WaitPolicy& RingBackend::waitPolicy() const {
+  return transport_->mesh().waitPolicy();
+}
+
 std::string RingBackend::listenAddress() const {
   return transport_->mesh().listenAddress();
 }

@@ -26,6 +26,8 @@
 
 namespace ringreduce {
 
+class WaitPolicy;
+
 class RingBackend : public c10d::Backend {
  public:
   RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -96,6 +98,8 @@ class RingBackend : public c10d::Backend {
   // device "cuda": how CUDA tensors travel ("host-staging", "none" in a CPU
   // build).
   std::string transportKind(const std::string& device = "cpu") const;
+  // How this rank waits for its peers (transport/wait_policy.h).
+  const WaitPolicy& waitPolicy() const;
   std::vector<std::string> refusedConnections() const;
   // This rank's traffic on this group since creation or the last reset:
   // payload bytes sent and received, and ops issued by torch.distributed name

@@ -9,7 +9,9 @@
 #include "algorithms/segments.h"
 #include "backend/ring_backend.h"
 #include "common/env.h"
+#include "transport/cpu_budget.h"
 #include "transport/shm/shm_transport.h"
+#include "transport/wait_policy.h"
 #include "kernels/sync_bn.h"
 #include "ops/sync_batch_norm.h"
 
@@ -55,7 +57,25 @@ PYBIND11_MODULE(_C, m) {
           "{'bytes_sent': int, 'bytes_received': int, 'ops': {dist op name: count}}. "
           "Payload bytes of completed transfers (message headers not counted).")
       .def("reset_stats", &ringreduce::RingBackend::resetTraffic,
-           "Zeroes the counters that stats() reports");
+           "Zeroes the counters that stats() reports")
+      .def(
+          "wait_policy",
+          [](const ringreduce::RingBackend& b) {
+            const ringreduce::WaitPolicy& w = b.waitPolicy();
+            py::dict out;
+            out["local_ranks"] = w.localRanks();
+            out["usable_cpus"] = w.usableCpus();
+            out["machine_cores"] = w.machineCores();
+            out["ranks_fit_cpus"] = w.ranksFitCores();
+            out["spin_us"] = w.configuredSpinUs();
+            out["yield_us"] = w.configuredYieldUs();
+            return out;
+          },
+          "How this rank waits for its peers: {'local_ranks': this host's ranks of the group, "
+          "'usable_cpus': the CPUs they may run on between them (the union of their affinity "
+          "masks, capped by the cgroup CPU quota), 'machine_cores': int, 'ranks_fit_cpus': "
+          "bool (spinning and streaming ring stores need it), 'spin_us', 'yield_us': the "
+          "budgets before the machine's load adapts them}");
 
   m.def(
       "_shm_test_die_after_create",
@@ -86,6 +106,21 @@ PYBIND11_MODULE(_C, m) {
       py::arg("ms"),
       "Testing only: each shared-memory op's final check (confirm) first sleeps this long "
       "(0: not at all); returns the previous value.");
+
+  m.def(
+      "_cgroup_cpu_limit",
+      [](const std::string& procCgroup, const std::string& mountRoot) {
+        return ringreduce::cgroupCpuLimit(procCgroup, mountRoot);
+      },
+      py::arg("proc_cgroup") = "/proc/self/cgroup", py::arg("mount_root") = "/sys/fs/cgroup",
+      "The CPUs the cgroup quota grants this process, rounded up (0: no quota), read as the "
+      "wait policy reads them; the arguments exist for the tests");
+  m.def(
+      "_cpu_list",
+      [](const std::string& list) {
+        return ringreduce::formatCpuList(ringreduce::parseCpuList(list));
+      },
+      py::arg("list"), "Testing only: a cpulist parsed and formatted again");
 
   m.def(
       "_choose_allreduce",

@@ -6,8 +6,10 @@
 
 #include <fstream>
 #include <map>
+#include <set>
 
 #include "common/env.h"
+#include "transport/cpu_budget.h"
 #include "transport/routed_transport.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
@@ -48,14 +50,19 @@ std::string hostIdentity() {
          linkTarget("/proc/self/ns/net") + "|" + shmFileSystem();
 }
 
-// Every rank publishes "<shm wanted 0|1>|<identity>" and reads everyone's, so
-// all ranks build the same table. *shmWanted: no rank set RINGREDUCE_SHM=0.
-Topology learnTopology(Mesh& mesh, Clock::time_point deadline, bool* shmWanted) {
+// Every rank publishes "<shm wanted 0|1>|<its CPUs, a cpulist>|<identity>"
+// and reads everyone's, so all ranks build the same table. *shmWanted: no
+// rank set RINGREDUCE_SHM=0. *hostCpus: how many CPUs this rank's host's
+// ranks may run on between them (the union of their affinity masks; 0 when
+// one of them could not tell).
+Topology learnTopology(Mesh& mesh, Clock::time_point deadline, bool* shmWanted,
+                       int* hostCpus) {
   const int rank = mesh.rank(), size = mesh.size();
   const std::string what = "learning which ranks share a host";
   StoreCalls& st = mesh.store();
   auto key = [&](int r) { return mesh.storeKey("host/" + std::to_string(r)); };
-  const std::string mine = std::string(envInt(kEnvShm, 1) != 0 ? "1" : "0") + "|" + hostIdentity();
+  const std::string mine = std::string(envInt(kEnvShm, 1) != 0 ? "1" : "0") + "|" +
+                           formatCpuList(allowedCpus()) + "|" + hostIdentity();
   st.set(key(rank), mine, deadline, what);
   std::vector<int> peers;
   for (int r = 0; r < size; ++r) {
@@ -66,6 +73,7 @@ Topology learnTopology(Mesh& mesh, Clock::time_point deadline, bool* shmWanted) 
   t.localIndex.assign(size, -1);
   std::map<std::string, int> hostIndex;
   *shmWanted = true;
+  std::vector<std::string> cpusOf(size);
   for (int r = 0; r < size; ++r) {
     std::string theirs = mine;
     if (r != rank) {
@@ -76,13 +84,23 @@ Topology learnTopology(Mesh& mesh, Clock::time_point deadline, bool* shmWanted) 
       theirs = st.get(key(r), deadline, what, missing);
     }
     *shmWanted = *shmWanted && theirs.compare(0, 2, "1|") == 0;
-    const std::string identity = theirs.substr(theirs.find('|') + 1);
+    const size_t cpusAt = theirs.find('|') + 1, identityAt = theirs.find('|', cpusAt) + 1;
+    cpusOf[r] = theirs.substr(cpusAt, identityAt - 1 - cpusAt);
+    const std::string identity = theirs.substr(identityAt);
     auto [at, fresh] = hostIndex.emplace(identity, static_cast<int>(t.hosts.size()));
     if (fresh) t.hosts.emplace_back();
     t.hostOf[r] = at->second;
     t.localIndex[r] = static_cast<int>(t.hosts[at->second].size());
     t.hosts[at->second].push_back(r);
   }
+  std::set<int> cpus;
+  *hostCpus = 0;
+  for (int r : t.hosts[t.hostOf[rank]]) {
+    const std::vector<int> theirs = parseCpuList(cpusOf[r]);
+    if (theirs.empty()) return t;
+    cpus.insert(theirs.begin(), theirs.end());
+  }
+  *hostCpus = static_cast<int>(cpus.size());
   return t;
 }
 
@@ -97,11 +115,18 @@ std::unique_ptr<Transport> connectGroup(const c10::intrusive_ptr<c10d::Store>& s
   auto mesh = std::make_shared<tcp::TcpMesh>(store, rank, size, timeout);
   if (size <= 1) return std::make_unique<tcp::TcpTransport>(mesh, Topology::singleHost(size));
   bool shmWanted = false;
-  Topology t = learnTopology(*mesh, deadline, &shmWanted);
-  mesh->waitPolicy().setLocalRanks(static_cast<int>(t.hosts[t.hostOf[rank]].size()));
+  int hostCpus = 0;
+  Topology t = learnTopology(*mesh, deadline, &shmWanted, &hostCpus);
+  const int quota = cgroupCpuLimit();
+  const int usable = quota > 0 && (hostCpus == 0 || quota < hostCpus) ? quota : hostCpus;
+  WaitPolicy& policy = mesh->waitPolicy();
+  policy.setLocalRanks(static_cast<int>(t.hosts[t.hostOf[rank]].size()), usable);
   if (debugEnabled()) {
-    fprintf(stderr, "%s %zu host(s); this host's ranks: %zu\n", rankPrefix(rank, size).c_str(),
-            t.hosts.size(), t.hosts[t.hostOf[rank]].size());
+    fprintf(stderr,
+            "%s %zu host(s); this host's ranks: %zu, on %u CPU(s) (their affinity %d, "
+            "cgroup quota %d, machine %u)\n",
+            rankPrefix(rank, size).c_str(), t.hosts.size(), t.hosts[t.hostOf[rank]].size(),
+            policy.usableCpus(), hostCpus, quota, policy.machineCores());
   }
   auto tcp = std::make_unique<tcp::TcpTransport>(mesh, t);
   if (!shmWanted) return tcp;

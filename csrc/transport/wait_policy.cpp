@@ -34,13 +34,15 @@ int runnableThreads() {
 
 WaitPolicy::WaitPolicy(int worldSize) {
   cores_ = std::max(1u, std::thread::hardware_concurrency());
+  usableCpus_ = cores_;
   adaptiveSpin_ = !envIsSet(kEnvSpinUs);
   adaptiveYield_ = !envIsSet(kEnvYieldUs);
   setLocalRanks(worldSize);
 }
 
-void WaitPolicy::setLocalRanks(int ranks) {
+void WaitPolicy::setLocalRanks(int ranks, int cpus) {
   localRanks_ = std::max(1, ranks);
+  usableCpus_ = cpus > 0 ? std::min(cores_, static_cast<unsigned>(cpus)) : cores_;
   spinUs_ = envInt(kEnvSpinUs, ranksFitCores() ? kDefaultSpinUs : 0);
   // Yielding also when the ranks fit: once the spin is over (or not allowed,
   // the machine being busy), a yield that finds nothing else to run costs

@@ -32,17 +32,25 @@ class WaitPolicy {
  public:
   explicit WaitPolicy(int worldSize);
   // How many of the group's ranks run on this host (the world size until the
-  // layout is known): the defaults and the yield rule depend on it. Call
-  // before the first wait.
-  void setLocalRanks(int ranks);
+  // layout is known) and how many CPUs they may use between them (the union
+  // of their affinity masks, capped by the cgroup quota: cpu_budget.h; 0 or
+  // more than the machine's: the machine's cores). The defaults and the
+  // yield rule depend on them. Call before the first wait.
+  void setLocalRanks(int ranks, int cpus = 0);
 
-  // Whether this host's ranks of the group are no more than its cores (each
-  // can have a core to itself), as set by setLocalRanks.
-  bool ranksFitCores() const { return static_cast<unsigned>(localRanks_) <= cores_; }
+  // Whether this host's ranks of the group are no more than the CPUs they
+  // may use (each can have a core to itself), as set by setLocalRanks.
+  bool ranksFitCores() const { return static_cast<unsigned>(localRanks_) <= usableCpus_; }
+  int localRanks() const { return localRanks_; }
+  unsigned usableCpus() const { return usableCpus_; }
+  unsigned machineCores() const { return cores_; }
 
   // The budgets for the wait that is starting now, in microseconds of idle time.
   int64_t spinUs();
   int64_t yieldUs();
+  // The budgets as configured, before the machine's load adapts them.
+  int64_t configuredSpinUs() const { return spinUs_; }
+  int64_t configuredYieldUs() const { return yieldUs_; }
   void yield();
 
   static constexpr int64_t kDefaultSpinUs = 50;
@@ -57,7 +65,8 @@ class WaitPolicy {
   int64_t yieldUs_ = 0;
   bool adaptiveSpin_;
   bool adaptiveYield_;
-  unsigned cores_;
+  unsigned cores_;        // the machine's (runnable threads are counted machine-wide)
+  unsigned usableCpus_;   // the group's ranks on this host may run on
   int localRanks_ = 1;
   std::atomic<int64_t> sampledAtNs_{0};
   std::atomic<int> runnable_{-1};
