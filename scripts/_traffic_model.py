@@ -23,6 +23,15 @@ picks by transport:
                peers read the n-1 slices of my chunk they reduce and I read theirs,
                then everyone reads the others' reduced slices: per chunk
                (c - s_r + (n-1) * s_r) * itemsize, sent and received alike.
+  hierarchical allreduceHierarchical (several hosts, each with the same number L >= 2
+  (hosts)      of ranks, shared memory within each; above 16 KiB, direct below):
+               the two-step's chunks and slices within the host (n = L, slice l
+               for local rank l), and between its two steps an all-reduce of
+               slice l across the H hosts over TCP among the ranks with local
+               index l (direct up to 16 KiB, else the ring, as on TCP, rank index
+               = host index): per chunk the two-step's bytes for L ranks plus that
+               all-reduce's. Other multi-host layouts (uneven, one rank on some
+               host) run the TCP choice on every rank.
 Both ring and two-step are the textbook 2(n-1)/n * S when n divides the count.
 The direct path costs (n-1)*S, more than that once n > 2: it buys one latency
 instead of several. At n = 2 every algorithm moves S.
@@ -46,43 +55,66 @@ def even_blocks(count, parts):
     return [base + (1 if i < rem else 0) for i in range(parts)]
 
 
-def allreduce_algorithm(nbytes, world_size, transport="shm"):
-    """'none', 'direct', 'ring' or 'two_step': what chooseAllreduce runs for a buffer of
-    `nbytes` on `transport` ('shm': every rank on one host, as the scripts run; 'tcp')."""
+def _uniform_shared(hosts):
+    """Whether a layout (the host of each rank) runs the hierarchical all-reduce:
+    several hosts, each with the same number of ranks, at least two."""
+    per_host = [hosts.count(h) for h in sorted(set(hosts))]
+    return len(per_host) > 1 and len(set(per_host)) == 1 and per_host[0] >= 2
+
+
+def allreduce_algorithm(nbytes, world_size, transport="shm", hosts=None):
+    """'none', 'direct', 'ring', 'two_step' or 'hierarchical': what chooseAllreduce runs
+    for a buffer of `nbytes` on `transport` ('shm': every rank on one host, as the
+    scripts run; 'tcp'), or on the layout `hosts` (the host of each rank; shared memory
+    within each host)."""
     if world_size == 1:
         return "none"
+    if hosts is not None and len(set(hosts)) > 1:
+        if _uniform_shared(hosts):
+            return "direct" if nbytes <= DIRECT_ALLREDUCE_BYTES else "hierarchical"
+        transport = "tcp"
     if transport == "tcp":
         return "direct" if nbytes <= DIRECT_ALLREDUCE_BYTES else "ring"
     limit = DIRECT_SHARED_2_BYTES if world_size == 2 else DIRECT_SHARED_BYTES
     return "direct" if nbytes <= limit else "two_step"
 
 
-def allreduce_bytes(count, itemsize, world_size, rank, transport="shm"):
-    """(sent, received) payload bytes of one all_reduce of `count` elements on `rank`."""
+def allreduce_bytes(count, itemsize, world_size, rank, transport="shm", hosts=None):
+    """(sent, received) payload bytes of one all_reduce of `count` elements on `rank`
+    (on the layout `hosts`, the host of each rank, when given)."""
     n, r = world_size, rank
-    algorithm = allreduce_algorithm(count * itemsize, n, transport)
+    algorithm = allreduce_algorithm(count * itemsize, n, transport, hosts)
     if algorithm == "none":
         return 0, 0
     if algorithm == "direct":
         return (n - 1) * count * itemsize, (n - 1) * count * itemsize
-    if algorithm == "two_step":
+    if algorithm in ("two_step", "hierarchical"):
+        if algorithm == "hierarchical":
+            order = sorted(set(hosts), key=hosts.index)  # hosts by their lowest rank
+            local = [q for q in range(n) if hosts[q] == hosts[r]]
+            n, r = len(local), local.index(rank)
         chunk_elems = max(1, STAGING_BYTES // itemsize)
-        moved = 0
+        sent = received = 0
         for start in range(0, count, chunk_elems):
             c = min(chunk_elems, count - start)
             s = even_blocks(c, n)[r]
-            moved += (c - s + (n - 1) * s) * itemsize
-        return moved, moved
+            moved = (c - s + (n - 1) * s) * itemsize
+            sent, received = sent + moved, received + moved
+            if algorithm == "hierarchical":
+                out, into = allreduce_bytes(s, itemsize, len(order), order.index(hosts[rank]),
+                                            "tcp")
+                sent, received = sent + out, received + into
+        return sent, received
     b = even_blocks(count, n)
     return ((2 * count - b[r] - b[(r + 1) % n]) * itemsize,
             (2 * count - b[(r - 1) % n] - b[r]) * itemsize)
 
 
-def allreduces_bytes(calls, world_size, rank, transport="shm"):
+def allreduces_bytes(calls, world_size, rank, transport="shm", hosts=None):
     """(sent, received) of a sequence of all_reduce calls, each (count, itemsize)."""
     sent = received = 0
     for count, itemsize in calls:
-        s, r = allreduce_bytes(count, itemsize, world_size, rank, transport)
+        s, r = allreduce_bytes(count, itemsize, world_size, rank, transport, hosts)
         sent, received = sent + s, received + r
     return sent, received
 

@@ -16,6 +16,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "scripts"))
+from _traffic_model import allreduce_bytes  # noqa: E402
+
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
        "product": dist.ReduceOp.PRODUCT}
 
@@ -49,13 +53,24 @@ class Checks:
         for r, other in enumerate(got):
             assert torch.equal(other, got[0]), f"rank {r}'s result differs from rank 0's"
 
-    def allreduce(self, group, n, dtype, op):
+    def allreduce(self, group, n, dtype, op, layout=None):
+        """The all-reduce against gloo, bitwise alike on every rank; with `layout`
+        (the host of each rank), its payload bytes against the closed forms too."""
         def case():
             t = inputs(self.rank, n, dtype, op)
             expect = t.clone()
             dist.all_reduce(expect, OPS[op], group=self.gloo)
             got = t.clone()
+            backend = group._get_backend(torch.device("cpu"))
+            before = backend.stats()
             dist.all_reduce(got, OPS[op], group=group)
+            after = backend.stats()
+            if layout is not None:
+                moved = (after["bytes_sent"] - before["bytes_sent"],
+                         after["bytes_received"] - before["bytes_received"])
+                want = allreduce_bytes(n, got.element_size(), self.world, self.rank,
+                                       hosts=layout)
+                assert moved == want, f"moved (sent, received) {moved}, the model says {want}"
             if dtype.is_floating_point:
                 torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
             else:
@@ -156,13 +171,16 @@ def main():
     os.environ["RINGREDUCE_ALLREDUCE"] = "ring"
     ring = dist.new_group(backend="ringreduce")
     del os.environ["RINGREDUCE_ALLREDUCE"]
+    # The host of each rank, from the test: the auto all-reduce's bytes are checked.
+    layout = [int(h) for h in os.environ["HOSTS_LAYOUT"].split(",")]
     for label, group in [("auto", dist.group.WORLD), ("ring", ring)]:
         for n in [0, 5, 3000, 100_003, 700_001]:
             for dtype in [torch.float32, torch.int64]:
                 for op in (["sum", "max", "min", "product"] if n == 3000 or n == 100_003
                            else ["sum"]):
                     c.run(f"all_reduce[{label}, n={n}, {dtype}, {op}]",
-                          c.allreduce(group, n, dtype, op))
+                          c.allreduce(group, n, dtype, op,
+                                      layout if label == "auto" else None))
     c.run("all_reduce[auto, n=300007, float64]", c.allreduce(dist.group.WORLD, 300_007,
                                                                torch.float64, "sum"))
     collectives(c, dist.group.WORLD)

@@ -36,7 +36,8 @@ def run_layout(layout, mode="cases", timeout=240):
         procs = []
         for rank, host in enumerate(layout):
             env = dict(os.environ, PYTHONPATH=REPO, RANK=str(rank), WORLD_SIZE=str(len(layout)),
-                       LOCAL_RANK="0", MASTER_PORT=port, OMP_NUM_THREADS="1", **hosts.env(host))
+                       LOCAL_RANK="0", MASTER_PORT=port, OMP_NUM_THREADS="1",
+                       HOSTS_LAYOUT=",".join(map(str, layout)), **hosts.env(host))
             cmd = hosts.exec(host, [sys.executable, os.path.join(HERE, "_hosts_rank.py"), mode])
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))

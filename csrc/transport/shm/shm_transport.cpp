@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "transport/shm/shm_segment.h"
@@ -47,19 +48,26 @@ class ShmTransport : public Transport {
   }
 
   // Every rank that fails an op raises the segment's flag before anything
-  // else, so a flag below this op's seq, or down, means no peer abandoned it.
+  // else, so a flag above this op's seq, or down, means no peer abandoned it.
   void confirm(const OpInfo& op) override {
     if (hooks().confirmDelayMs > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(hooks().confirmDelayMs));
     }
+    std::lock_guard<std::mutex> lock(confirmMu_);
     throwIfAborted(mesh_, seg_, op);
-    confirmed_.store(op.ctx.seq);
+    confirmed_ = op.ctx.seq;
   }
 
   // The flag names the first op this rank did not confirm: a peer still
-  // checking an earlier op (its transfers done) must not fail it.
+  // checking an earlier op (its transfers done) must not fail it. Under
+  // confirmMu_, so an abort on another thread (shutdown, abort()) lands
+  // either before this rank's check of an op (which then fails here too) or
+  // after it (the op stands everywhere): one op, one outcome.
   void abort(const std::string& reason) override {
-    raiseAbortFlag(seg_, confirmed_.load() + 1);
+    {
+      std::lock_guard<std::mutex> lock(confirmMu_);
+      raiseAbortFlag(seg_, confirmed_ + 1);
+    }
     for (int r = 0; r < size_; ++r) seg_.ring(r);
     mesh_.abort(reason);
   }
@@ -172,8 +180,8 @@ class ShmTransport : public Transport {
   const size_t ringBytes_;
   const bool streaming_;
   std::unique_ptr<SharedBuffers> shared_;
-  // The seq of the last op confirmed here (abort() may run on another thread).
-  std::atomic<uint64_t> confirmed_{0};
+  std::mutex confirmMu_;     // confirm() and abort() may run on different threads
+  uint64_t confirmed_ = 0;  // guarded by confirmMu_: the seq of the last op confirmed here
 };
 
 void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
