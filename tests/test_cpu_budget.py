@@ -130,3 +130,70 @@ def test_ranks_pinned_one_per_cpu_fit(worlds):
 def test_unpinned_ranks_count_their_masks(worlds):
     results = worlds.run(2, _policy_with_affinity, [None, None])
     _check_policy(results, 2)
+
+
+def _cpu_cgroup_dirs():
+    """(mount, this process's cgroup dir) of the cpu controller, v1 or v2, or None."""
+    for line in open("/proc/self/cgroup").read().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            if "cpu" in open("/sys/fs/cgroup/cgroup.controllers").read().split():
+                return "v2", "/sys/fs/cgroup", "/sys/fs/cgroup" + path.rstrip("/")
+        if "cpu" in controllers.split(","):
+            mount = "/sys/fs/cgroup/" + controllers
+            if not os.path.isdir(mount):
+                mount = "/sys/fs/cgroup/cpu"
+            return "v1", mount, mount + path.rstrip("/")
+    return None
+
+
+@pytest.fixture
+def one_cpu_cgroup():
+    """A cgroup whose CPU quota is one CPU (made and removed here); skipped where
+    this process may not make one."""
+    found = _cpu_cgroup_dirs()
+    if found is None:
+        pytest.skip("no cpu cgroup controller")
+    version, mount, _ = found
+    path = os.path.join(mount, f"ringreduce-test-{os.getpid()}")
+    try:
+        os.mkdir(path)
+        if version == "v2":
+            with open(os.path.join(path, "cpu.max"), "w") as f:
+                f.write("100000 100000")
+        else:
+            with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+                f.write("100000")
+    except OSError as err:
+        if os.path.isdir(path):
+            os.rmdir(path)
+        pytest.skip(f"cannot make a cgroup with a CPU quota here: {err}")
+    yield path
+    os.rmdir(path)  # fails (and says so) if a worker was left in it
+
+
+def _policy_in_cgroup(ctx, path):
+    """A new ringreduce group created while this rank runs in the cgroup at
+    `path`; then the rank goes back where it was."""
+    home = _cpu_cgroup_dirs()[2]
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        quota = _C()._cgroup_cpu_limit()
+        group = dist.new_group(backend="ringreduce")
+    finally:
+        with open(os.path.join(home, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    policy = group._get_backend(torch.device("cpu")).wait_policy()
+    dist.destroy_process_group(group)
+    return {"policy": policy, "quota": quota}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_cgroup_quota_caps_the_cpus(worlds, one_cpu_cgroup):
+    """Two ranks that could run on two CPUs, in a cgroup granted one: they do not
+    fit, so they neither spin nor stream."""
+    for rank, res in enumerate(worlds.run(2, _policy_in_cgroup, one_cpu_cgroup)):
+        assert res["quota"] == 1, (rank, res)
+        assert res["policy"]["usable_cpus"] == 1, (rank, res)
+        assert res["policy"]["ranks_fit_cpus"] is False, (rank, res)
