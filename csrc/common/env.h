@@ -31,8 +31,8 @@ constexpr int64_t kDefaultSegmentBytes = 256 << 10;
 // machine; set, they are fixed.
 inline constexpr EnvVar kEnvSpinUs{
     "RINGREDUCE_SPIN_US",
-    "50 when the group's ranks on this host are at most its cores and no more threads are "
-    "runnable than cores, else 0",
+    "50 when the group's ranks on this host are at most the CPUs they may use (their "
+    "affinity, the cgroup quota) and no more threads are runnable than cores, else 0",
     "microseconds a waiting rank busy-polls before sleeping (setting it turns adaptation off)",
     true};
 inline constexpr EnvVar kEnvYieldUs{
