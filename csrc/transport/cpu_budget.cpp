@@ -42,8 +42,7 @@ int readV1(const std::string& dir) {
 int lowestAlong(const std::string& dir, std::string path, int (*read)(const std::string&)) {
   int lowest = 0;
   while (true) {
-    const int cpus = read(dir + path);
-    if (cpus > 0) lowest = lowest == 0 ? cpus : std::min(lowest, cpus);
+    lowest = tighterLimit(lowest, read(dir + path));
     if (path.empty() || path == "/") break;
     const size_t cut = path.find_last_of('/');
     path = cut == std::string::npos ? "" : path.substr(0, cut);
@@ -110,9 +109,7 @@ int cgroupCpuLimit(const std::string& procCgroup, const std::string& mountRoot) 
   std::ifstream in(procCgroup);
   std::string line;
   int lowest = 0;
-  auto take = [&lowest](int cpus) {
-    if (cpus > 0) lowest = lowest == 0 ? cpus : std::min(lowest, cpus);
-  };
+  auto take = [&lowest](int cpus) { lowest = tighterLimit(lowest, cpus); };
   // "<id>:<controllers>:<path>": v2 has id 0 and no controllers; v1 names
   // them, and the cpu controller's mount is named after its list ("cpu",
   // "cpu,cpuacct").

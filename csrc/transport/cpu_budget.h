@@ -26,4 +26,11 @@ std::vector<int> parseCpuList(const std::string& list);
 int cgroupCpuLimit(const std::string& procCgroup = "/proc/self/cgroup",
                    const std::string& mountRoot = "/sys/fs/cgroup");
 
+// The tighter of two CPU limits where 0 means "none": min(a, b) over the
+// positive ones, 0 when neither is.
+inline int tighterLimit(int a, int b) {
+  if (a <= 0) return b > 0 ? b : 0;
+  return b > 0 && b < a ? b : a;
+}
+
 }  // namespace ringreduce

@@ -118,7 +118,7 @@ std::unique_ptr<Transport> connectGroup(const c10::intrusive_ptr<c10d::Store>& s
   int hostCpus = 0;
   Topology t = learnTopology(*mesh, deadline, &shmWanted, &hostCpus);
   const int quota = cgroupCpuLimit();
-  const int usable = quota > 0 && (hostCpus == 0 || quota < hostCpus) ? quota : hostCpus;
+  const int usable = tighterLimit(hostCpus, quota);
   WaitPolicy& policy = mesh->waitPolicy();
   policy.setLocalRanks(static_cast<int>(t.hosts[t.hostOf[rank]].size()), usable);
   if (debugEnabled()) {
