@@ -158,3 +158,65 @@ def test_ring_stores_move_exact_bytes(worlds, world_size):
     exactly as memcpy does."""
     for rank, failures in enumerate(worlds.run(world_size, _ring_stores_exact)):
         assert failures == [], f"rank {rank}: {failures}"
+
+
+FOLD_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8,
+               torch.complex128]
+FOLD_COUNTS = [1, 3, 1_023, 4_099, 16_411]
+FOLD_SHIFTS = [0, 1, 3, 6]  # bytes broadcast before each all-reduce: ring positions mod 8
+
+
+def _fold_payload(dtype, count, rank, seed):
+    gen = torch.Generator().manual_seed(seed * 7 + rank)
+    if dtype.is_complex or dtype.is_floating_point:
+        return torch.randn(count, generator=gen, dtype=torch.float64).to(dtype) \
+            if not dtype.is_complex else torch.randn(count, generator=gen, dtype=dtype)
+    return torch.randint(-100, 100, (count,), generator=gen, dtype=torch.int64).to(dtype)
+
+
+def _direct_fold_exact(ctx):
+    """2-rank direct all-reduces through a 256 KiB ring (the peer's payload folded
+    in straight from the ring, wrapping it mid-element) and a 4 KiB one (payloads
+    larger than the ring: what arrives while the rank's own send is still open goes
+    through its buffer first), after odd-sized broadcasts that leave the payload at
+    every alignment; and over TCP, where the payload is folded from the receive
+    buffer once the exchange is complete. Each result must equal op(x0, x1)
+    computed by torch in the dtype (one operation per element, so bitwise), on
+    both ranks."""
+    rank = ctx.rank
+    failures = []
+    for ring, kind in ((262_144, "shm"), (4096, "shm"), (0, "tcp")):
+        env = {"RINGREDUCE_SHM_RING_BYTES": ring} if ring else {"RINGREDUCE_SHM": 0}
+        group = _group_with_env(RINGREDUCE_ALLREDUCE="direct", **env)
+        if _kind(group) != kind:
+            failures.append(f"ring {ring}: the group is on {_kind(group)}, not {kind}")
+            continue
+        seed = 0
+        for shift in FOLD_SHIFTS:
+            for dtype in FOLD_DTYPES:
+                for count in FOLD_COUNTS:
+                    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+                        seed += 1
+                        if op == dist.ReduceOp.MAX and dtype.is_complex:
+                            continue
+                        if shift:
+                            pad = torch.full((shift,), rank, dtype=torch.uint8)
+                            dist.broadcast(pad, src=0, group=group)
+                        x0, x1 = (_fold_payload(dtype, count, r, seed) for r in (0, 1))
+                        want = x0 + x1 if op == dist.ReduceOp.SUM else torch.maximum(x0, x1)
+                        t = (x0 if rank == 0 else x1).clone()
+                        dist.all_reduce(t, op=op, group=group)
+                        if not torch.equal(t, want):
+                            bad = (t != want).nonzero().flatten()[:5].tolist()
+                            failures.append(f"ring {ring}, shift {shift}, {dtype}, {count}, "
+                                            f"{op}: differs at {bad}")
+        dist.destroy_process_group(group)
+    return failures
+
+
+def test_direct_fold_from_the_ring_is_exact_at_any_alignment(worlds):
+    """The 2-rank direct all-reduce folds the peer's payload as it arrives: elements
+    split by the ring's wrap, misaligned payloads, payloads larger than the ring and
+    TCP all give torch's op(x0, x1)."""
+    for rank, failures in enumerate(worlds.run(2, _direct_fold_exact)):
+        assert failures == [], f"rank {rank}: {failures[:10]}"

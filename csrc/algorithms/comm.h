@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "transport/traffic.h"
@@ -40,7 +41,27 @@ struct Comm {
       for (auto& s : sends) s.peer = (*ranks)[s.peer];
       for (auto& r : recvs) r.peer = (*ranks)[r.peer];
     }
+    // Consumers: the transport hands in place what it can; the rest is
+    // handed from the receive buffers once the exchange is complete.
+    std::vector<std::pair<size_t, size_t>> consumers;  // (recv index, bytes handed)
+    std::vector<std::function<void(const char*, size_t, size_t)>> inner;
+    for (size_t i = 0; i < recvs.size(); ++i) {
+      if (!recvs[i].consume) continue;
+      consumers.emplace_back(i, 0);
+      inner.push_back(std::move(recvs[i].consume));
+    }
+    for (size_t k = 0; k < consumers.size(); ++k) {
+      recvs[consumers[k].first].consume = [&, k](const char* src, size_t at, size_t n) {
+        inner[k](src, at, n);
+        consumers[k].second = at + n;
+      };
+    }
     transport.exchange(op, sends, recvs);
+    for (size_t k = 0; k < consumers.size(); ++k) {
+      const auto [i, handed] = consumers[k];
+      RecvSpec& r = recvs[i];
+      if (handed < r.bytes) inner[k](static_cast<const char*>(r.data) + handed, handed, r.bytes - handed);
+    }
     size_t out = 0, in = 0;
     for (const auto& s : sends) out += s.bytes;
     for (const auto& r : recvs) in += r.bytes;

@@ -126,6 +126,9 @@ class RoutedTransport : public Transport {
     std::vector<RecvSpec> shmRecvs, tcpRecvs;
     for (auto& s : sends) (onHost_[s.peer] ? shmSends : tcpSends).push_back(s);
     for (auto& r : recvs) (onHost_[r.peer] ? shmRecvs : tcpRecvs).push_back(std::move(r));
+    // In place only once every send is complete, TCP's too: the copies fill
+    // their buffers, and Comm::exchange hands them over afterwards.
+    for (auto& r : shmRecvs) r.consume = nullptr;
     std::exception_ptr tcpError, shmError;
     Clock::time_point tcpAt, shmAt;
     // Records a failure (and when) and aborts the group, which ends the other

@@ -94,6 +94,14 @@ struct RecvSpec {
   // Called as payload arrives with the number of bytes received so far, so a
   // reduction can overlap with the rest of the transfer. May be empty.
   std::function<void(size_t)> onProgress;
+  // Optional: the payload handed over in place instead of copied to `data`,
+  // as consume(src, offset, bytes) for consecutive ranges that cover it once,
+  // in order, at any byte boundary; src is valid only during the call. A
+  // transport may call it only once every send of the same exchange() is
+  // complete (so it may overwrite what those sends read), and may instead
+  // copy some or all of the payload to `data` (then a whole buffer of
+  // `bytes`): Comm::exchange hands that part over after exchange() returns.
+  std::function<void(const char* src, size_t offset, size_t bytes)> consume;
 };
 
 // Human text for the first field of a received header that differs from what
@@ -113,6 +121,7 @@ struct RecvProgress {
   WireHeader header{};
   size_t headerDone = 0;
   size_t dataDone = 0;
+  size_t handed = 0;  // payload bytes given to spec->consume (the rest are in data)
   bool finished() const { return headerDone == sizeof(WireHeader) && dataDone == spec->bytes; }
 };
 

@@ -111,8 +111,10 @@ class ShmTransport : public Transport {
     return true;
   }
 
-  // Takes what the ring from r.peer holds, up to the end of this message.
-  bool progressRecv(const OpInfo& op, RecvState& r) {
+  // Takes what the ring from r.peer holds, up to the end of this message:
+  // into the receive's buffer, or, once every send of the exchange is
+  // complete (`sent`), straight from the ring to its consumer.
+  bool progressRecv(const OpInfo& op, RecvState& r, bool sent) {
     const int from = local(r.spec->peer);
     RingControl& c = seg_.control(from, rank_);
     const uint64_t tail = c.tail.load(std::memory_order_relaxed);
@@ -138,6 +140,15 @@ class ShmTransport : public Transport {
                                                std::to_string(r.spec->bytes) + " bytes)");
           }
         }
+      } else if (sent && r.spec->consume) {
+        if (r.handed < r.dataDone) {  // what arrived while sends were open, first
+          r.spec->consume(static_cast<const char*>(r.spec->data) + r.handed, r.handed,
+                          r.dataDone - r.handed);
+        }
+        r.spec->consume(ringBase + at, r.dataDone, piece);
+        r.dataDone += piece;
+        r.handed = r.dataDone;
+        taken += piece;
       } else {
         std::memcpy(static_cast<char*>(r.spec->data) + r.dataDone, ringBase + at, piece);
         r.dataDone += piece;
@@ -208,9 +219,10 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
         pending |= s.done < s.total();
       }
     }
+    const bool sent = !pending;
     for (auto& r : rs) {
       if (!r.finished()) {
-        progress |= progressRecv(op, r);
+        progress |= progressRecv(op, r, sent);
         pending |= !r.finished();
       }
     }
