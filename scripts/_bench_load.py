@@ -14,6 +14,11 @@ smallest size on a one-rank group of BACKEND (rank 0 alone; the other ranks
 only take part in the timing's barrier and maximum) with the sweep's own
 measure_size, right after the smallest all-reduce row: the cost of the call
 itself, the floor the rows at that size are compared with ("over the floor").
+The row's backends are measured again with it, their repeats alternating with
+the floor's, and "over the floor" is the median of the paired differences
+(each backend's repeat minus the floor's next to it): the machine's speed
+moves 1.5-2x between minutes here, so a floor measured after the row, alone,
+gave gaps from +2 to +16 us for the same build.
 
 --memcpy measures one core's copy bandwidth in the same run: torch's copy_
 between two float32 buffers of the sweep's largest size with
@@ -257,24 +262,37 @@ class References:
                          f"{self.memcpy_all['GBps']:.2f} GB/s each (rank 0's best)")
         return lines
 
-    def after_row(self, op_name, op, rows, measure, args):
-        """Lines after a row: the floor, measured after the first all-reduce row."""
+    def after_row(self, op_name, op, rows, measure, args, groups):
+        """Lines after a row: the floor, measured after the first all-reduce row,
+        alternating with that row's backends measured again."""
         if self.solo is None or op_name != "allreduce" or self.floor is not None:
             return []
         solo_ctx = dataclasses.replace(op.ctx, rank=0, n=1, root=0)
         name = f"{self.solo.backend} 1 rank"
-        self.floor = measure(op_name, type(op)(solo_ctx, op.count), {name: self.solo},
-                             set(), args)[0]
+        again = {r["backend"]: groups[r["backend"]] for r in rows
+                 if r["time_us"] is not None and r["backend"] in groups}
+        measured = measure(op_name, op, {**again, name: self.solo}, set(), args,
+                           ops={name: type(op)(solo_ctx, op.count)})
+        self.floor = measured[-1]
         head = (f"# floor: dist.all_reduce of {self.floor['size_bytes']} B on a one-rank "
                 f"{self.solo.backend} group:")
         if self.floor["error"] or self.floor["wrong"]:
             return [f"{head} {self.floor['error'] or 'wrong elements'}"]
         floor_us, over = self.floor["time_us"], []
+        paired = {r["backend"]: r for r in measured[:-1] if r["time_us"] is not None}
         for row in rows:
-            if row["time_us"] is not None:
-                row.update(floor_us=floor_us, over_floor_us=row["time_us"] - floor_us)
-                over.append(f"{row['backend']} {row['over_floor_us']:+.1f}")
-        return [f"{head} {floor_us:.1f} us; over it (us): {', '.join(over)}"]
+            beside = paired.get(row["backend"])
+            if beside is None:
+                continue
+            gaps = [t - f for t, f in zip(beside["time_us_repeats"],
+                                          self.floor["time_us_repeats"])]
+            row.update(floor_us=floor_us, over_floor_us=statistics.median(gaps),
+                       time_us_beside_floor=beside["time_us"],
+                       time_us_beside_floor_repeats=beside["time_us_repeats"])
+            over.append(f"{row['backend']} {row['over_floor_us']:+.1f} "
+                        f"({beside['time_us']:.1f})")
+        return [f"{head} {floor_us:.1f} us; over it (us; the median of {args.repeats} "
+                f"paired repeats, the row's median beside it in brackets): {', '.join(over)}"]
 
     def after_table(self, rows):
         """Copies again, then busbw / memcpy on every row; the footer lines at the

@@ -121,27 +121,29 @@ def attempt(row, fn, *fn_args):
         return None
 
 
-def measure_size(op_name, op, groups, failed, args, checker=check):
+def measure_size(op_name, op, groups, failed, args, checker=check, ops=None):
     """One row per backend for one size.
 
     Each backend warms up, then the timed repeats alternate between backends
     (in turned order every other repeat), so a burst of noise from the machine
     hits one repeat of one backend, not a whole backend; the row reports the
-    median repeat. Then each backend is checked on fresh inputs.
+    median repeat. Then each backend is checked on fresh inputs. `ops` gives a
+    backend its own op of the same size (the one-rank floor's), else it runs `op`.
     """
-    rows = {b: base_row(op_name, op.ctx, op.count, b, args) for b in groups}
+    op_of = {b: (ops or {}).get(b, op) for b in groups}
+    rows = {b: base_row(op_name, op_of[b].ctx, op_of[b].count, b, args) for b in groups}
     for b in failed:
         rows[b]["error"] = "skipped: raised at a smaller size"
-    plans = {b: attempt(rows[b], plan, op, g, args) for b, g in groups.items()}
+    plans = {b: attempt(rows[b], plan, op_of[b], g, args) for b, g in groups.items()}
     reps = {b: [] for b in groups}
     for rep in range(args.repeats):
         for b in list(groups)[::1 if rep % 2 == 0 else -1]:
             if plans[b]:
-                reps[b].append(attempt(rows[b], timed_loop, op, groups[b], plans[b][0]))
+                reps[b].append(attempt(rows[b], timed_loop, op_of[b], groups[b], plans[b][0]))
     for b, group in groups.items():
-        wrong = attempt(rows[b], checker, op, group, not args.no_check)
+        wrong = attempt(rows[b], checker, op_of[b], group, not args.no_check)
         if not rows[b]["error"]:
-            fill_row(rows[b], op, reps[b], plans[b], wrong)
+            fill_row(rows[b], op_of[b], reps[b], plans[b], wrong)
     return list(rows.values())
 
 
@@ -291,7 +293,7 @@ def sweep_op(op_name, ctx, groups, sizes, args, progress, refs):
                 progress.write(f"# {op_name} on {row['backend']} raised: {row['error']}")
         progress.update(len(line))
         progress.write(format_line(line))
-        for text in refs.after_row(op_name, op, line, measure_size, args):
+        for text in refs.after_row(op_name, op, line, measure_size, args, groups):
             progress.write(text)
         rows += line
         del op  # free this size's buffers before the next size allocates its own

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -77,13 +78,38 @@ def test_mpi_rows_are_right(tmp_path):
             assert row["busbw_per_memcpy"] > 0, (row, text)
             assert row["busbw_per_memcpy_best"] > 0, (row, text)
             assert row["busbw_per_memcpy_all"] > 0, (row, text)
-    floor = doc["reference"]["floor"]
-    assert floor["world_size"] == 1 and floor["wrong"] == 0 and floor["time_us"] > 0, text
-    assert rows[("mpi", 4096)]["floor_us"] == floor["time_us"], text
+    _check_floor(doc, rows, ("ringreduce", "mpi"), text)
     assert doc["reference"]["memcpy"]["GBps"] > 0, text
     together = doc["reference"]["memcpy_all_ranks"]
     assert together["GBps"] > 0 and together["ranks"] == 2, text
     assert "memcpy, one core per rank, all 2 at once" in text, text
+
+
+def _check_floor(doc, rows, backends, text):
+    """The floor (a one-rank group) and each backend's time over it: the backend
+    measured again, its repeats alternating with the floor's, and the median of
+    the paired differences (not the row's median minus the floor's)."""
+    floor = doc["reference"]["floor"]
+    assert floor["world_size"] == 1 and floor["wrong"] == 0 and floor["time_us"] > 0, text
+    for backend in backends:
+        row = rows[(backend, 4096)]
+        assert row["floor_us"] == floor["time_us"], (row, text)
+        beside = row["time_us_beside_floor_repeats"]
+        assert len(beside) == len(floor["time_us_repeats"]) == doc["args"]["repeats"], row
+        gaps = [t - f for t, f in zip(beside, floor["time_us_repeats"])]
+        assert row["over_floor_us"] == pytest.approx(statistics.median(gaps)), (row, floor)
+        assert row["time_us_beside_floor"] == pytest.approx(statistics.median(beside)), row
+    assert "paired repeats" in text, text
+
+
+@needs_ringreduce
+def test_floor_is_measured_alternating_with_the_rows_backends(tmp_path):
+    code, text, doc = _bench(["--backends", "ringreduce", "gloo", "--nproc", "2", "--ops",
+                              "allreduce", "-b", "4K", "-e", "4K", "--repeats", "4",
+                              "--floor"], tmp_path)
+    assert code == 0, text
+    rows = {(r["backend"], r["size_bytes"]): r for r in doc["rows"]}
+    _check_floor(doc, rows, ("ringreduce", "gloo"), text)
 
 
 def test_without_mpi_the_others_run_and_the_reason_shows(tmp_path):

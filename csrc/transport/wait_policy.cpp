@@ -56,7 +56,22 @@ int WaitPolicy::runnable() {
   int64_t sampled = sampledAtNs_.load(std::memory_order_relaxed);
   if (now - sampled >= kSampleMs * 1000000 &&
       sampledAtNs_.compare_exchange_strong(sampled, now, std::memory_order_relaxed)) {
-    runnable_.store(runnableThreads(), std::memory_order_relaxed);
+    // One thread samples at a time (the exchange above); the others read the
+    // last median meanwhile.
+    const unsigned at = nextSample_.fetch_add(1, std::memory_order_relaxed) % kSamples;
+    samples_[at].store(runnableThreads(), std::memory_order_relaxed);
+    int known[kSamples];
+    int n = 0;
+    for (const auto& sample : samples_) {
+      const int v = sample.load(std::memory_order_relaxed);
+      if (v >= 0) known[n++] = v;
+    }
+    int median = -1;
+    if (n > 0) {
+      std::nth_element(known, known + n / 2, known + n);
+      median = known[n / 2];
+    }
+    runnable_.store(median, std::memory_order_relaxed);
   }
   return runnable_.load(std::memory_order_relaxed);
 }

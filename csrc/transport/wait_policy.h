@@ -7,7 +7,9 @@
 // in its cores, then yield up to kDefaultYieldUs, then sleep. Both adapt to the machine
 // unless RINGREDUCE_SPIN_US / RINGREDUCE_YIELD_US are set (then they are
 // fixed), from the machine's runnable threads (/proc/loadavg, sampled at most
-// every kSampleMs):
+// every kSampleMs; the median of the last kSamples samples, so a thread that
+// is runnable for a moment, such as a launcher's monitor or a library's event
+// loop, does not stop the spinning for a whole sample period):
 //   - no spinning while the runnable threads outnumber the cores: the spin
 //     would take a core from computation (DDP's backward, torch's intra-op
 //     threads, other jobs) and delay the very peer we wait for;
@@ -56,9 +58,11 @@ class WaitPolicy {
   static constexpr int64_t kDefaultSpinUs = 50;
   static constexpr int64_t kDefaultYieldUs = 200;
   static constexpr int64_t kSampleMs = 20;
+  static constexpr int kSamples = 5;
 
  private:
-  // The machine's runnable threads at the last sample (-1: unknown).
+  // The machine's runnable threads: the median of the last kSamples samples
+  // (-1: unknown).
   int runnable();
 
   int64_t spinUs_ = 0;
@@ -69,7 +73,9 @@ class WaitPolicy {
   unsigned usableCpus_;   // the group's ranks on this host may run on
   int localRanks_ = 1;
   std::atomic<int64_t> sampledAtNs_{0};
-  std::atomic<int> runnable_{-1};
+  std::atomic<int> samples_[kSamples] = {-1, -1, -1, -1, -1};
+  std::atomic<unsigned> nextSample_{0};
+  std::atomic<int> runnable_{-1};  // the median of samples_
 };
 
 }  // namespace ringreduce
