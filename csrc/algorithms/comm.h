@@ -60,7 +60,9 @@ struct Comm {
     for (size_t k = 0; k < consumers.size(); ++k) {
       const auto [i, handed] = consumers[k];
       RecvSpec& r = recvs[i];
-      if (handed < r.bytes) inner[k](static_cast<const char*>(r.data) + handed, handed, r.bytes - handed);
+      if (handed < r.bytes) {
+        inner[k](static_cast<const char*>(r.data) + handed, handed, r.bytes - handed);
+      }
     }
     size_t out = 0, in = 0;
     for (const auto& s : sends) out += s.bytes;

@@ -33,6 +33,7 @@ int runnableThreads() {
 }  // namespace
 
 WaitPolicy::WaitPolicy(int worldSize) {
+  for (auto& sample : samples_) sample.store(-1, std::memory_order_relaxed);
   cores_ = std::max(1u, std::thread::hardware_concurrency());
   usableCpus_ = cores_;
   adaptiveSpin_ = !envIsSet(kEnvSpinUs);

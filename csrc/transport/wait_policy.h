@@ -73,7 +73,7 @@ class WaitPolicy {
   unsigned usableCpus_;   // the group's ranks on this host may run on
   int localRanks_ = 1;
   std::atomic<int64_t> sampledAtNs_{0};
-  std::atomic<int> samples_[kSamples] = {-1, -1, -1, -1, -1};
+  std::atomic<int> samples_[kSamples];  // -1: not sampled yet
   std::atomic<unsigned> nextSample_{0};
   std::atomic<int> runnable_{-1};  // the median of samples_
 };
