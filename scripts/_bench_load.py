@@ -10,17 +10,17 @@ torchrun or a user's own mpirun, local rank 0; the others find BUSY_ENV set or
 are not local rank 0. The JSON's environment records the count.
 
 --floor [BACKEND] (default ringreduce) measures dist.all_reduce of the sweep's
-smallest size on one-rank groups of BACKEND (every rank on its own group, all
-at once, so the cores are as busy as in the row: with rank 0 alone the floor
-was 0.2, 0.3 and 2.8 us lower in three runs on this 2-core VM, medians of nine
-alternations) with the sweep's own measure_size, right
-after the smallest all-reduce row: the cost of the call itself, the floor the
-rows at that size are compared with ("over the floor").
-The row's backends are measured again with it, their repeats alternating with
-the floor's, and "over the floor" is the median of the paired differences
-(each backend's repeat minus the floor's next to it): the machine's speed
-moves 1.5-2x between minutes here, so a floor measured after the row, alone,
-gave gaps from +2 to +16 us for the same build.
+smallest size on one-rank groups of BACKEND with the sweep's own measure_size,
+right after the smallest all-reduce row: the cost of the call itself, the
+floor the rows at that size are compared with ("over the floor"). Every rank
+runs on its own group, all at once, so the cores are as busy as in the row
+(with rank 0 alone the floor was 0.2, 0.3 and 2.8 us lower in three runs on
+this 2-core VM, medians of nine alternations). The row's backends are
+measured again with it, their repeats alternating with the floor's, and "over
+the floor" is the median of the paired differences (each backend's repeat
+minus the floor's next to it): the machine's speed moves 1.5-2x between
+minutes here, so a floor measured after the row, alone, gave gaps from +2 to
++16 us for the same build.
 
 --memcpy measures one core's copy bandwidth in the same run: torch's copy_
 between two float32 buffers of the sweep's largest size with
