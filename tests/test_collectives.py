@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _harness import backend_under_test
+from _outcomes import with_env
 from _cases import (COUNTS, DTYPES, LARGE, VARIANT_COUNTS, R, Cases, assert_cases, backend_can,
                     check_future, check_work, gloo_can, make_input, ops_for)
 from _specs import BUILDERS, MOVING, REDUCING, sub_comm, world_comm
@@ -333,3 +335,96 @@ def test_future_is_complete_when_wait_returns(worlds):
     # The worker used to wake wait() before completing the Future: a caller
     # reading the Future right after wait() could find it pending.
     assert worlds.run(2, future_after_wait, 300) == [0, 0]
+
+
+# --------------------------------------------------------------------------
+# MIN and MAX with NaN: a NaN on any rank is the result, as torch.amax/amin
+# give (gloo's and the integer kernels' `a < b ? b : a` keeps the left operand,
+# so gloo drops a NaN from any rank but the first: not an oracle here).
+# --------------------------------------------------------------------------
+
+NAN_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+NAN_COUNTS = [5, 4_099, 70_001]  # one direct step; two-step / ring; several segments
+NAN_GROUPS = {"auto": {}, "direct": {"RINGREDUCE_ALLREDUCE": "direct"},
+              "ring": {"RINGREDUCE_ALLREDUCE": "ring"},
+              "two_step": {"RINGREDUCE_ALLREDUCE": "two_step"},
+              "tcp": {"RINGREDUCE_SHM": 0}}
+
+
+def _nan_inputs(n, count, dtype, seed):
+    """Every rank's input: random values, NaN at i % (n + 2) == rank on that rank
+    alone, NaN on every rank at i % (n + 2) == n, +inf / -inf at a few places."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = torch.randn((n, count), generator=gen, dtype=torch.float64)
+    pos = torch.arange(count) % (n + 2)
+    for r in range(n):
+        xs[r][(torch.arange(count) % 11) == r] = float("inf") if r % 2 else float("-inf")
+        xs[r][pos == r] = float("nan")
+        xs[r][pos == n] = float("nan")
+    return [x.to(dtype) for x in xs]
+
+
+def _nan_calls(n, rank, op, xs):
+    """(name, run) pairs: run(group) returns (got, expected) on this rank."""
+    want = (torch.stack(xs).amax(0) if op == R.MAX else torch.stack(xs).amin(0))
+    count = xs[0].numel()
+    piece = count // n
+
+    def all_reduce(group):
+        t = xs[rank].clone()
+        dist.all_reduce(t, op=op, group=group)
+        return t, want
+
+    def coalesced(group):
+        ts = [xs[rank][:piece].clone(), xs[rank][piece:].clone()]
+        dist.all_reduce_coalesced(ts, op=op, group=group)
+        return torch.cat(ts), want
+
+    def reduce(group):
+        t = xs[rank].clone()
+        dist.reduce(t, group_dst=n - 1, op=op, group=group)
+        return (t, want) if rank == n - 1 else (None, None)
+
+    def reduce_scatter(group):
+        out = torch.empty(piece, dtype=xs[0].dtype)
+        dist.reduce_scatter_tensor(out, xs[rank][:n * piece].clone(), op=op, group=group)
+        return out, want[rank * piece:(rank + 1) * piece]
+
+    return [("all_reduce", all_reduce), ("all_reduce_coalesced", coalesced),
+            ("reduce", reduce), ("reduce_scatter_tensor", reduce_scatter)]
+
+
+def min_max_with_nan(ctx):
+    """Remote: MIN/MAX with NaN, inf and -inf placed per rank, on every algorithm
+    and both transports; each result must be torch's amax/amin of the inputs,
+    NaN exactly where any rank had one (assert_close, exact, equal_nan)."""
+    n, rank = ctx.world_size, ctx.rank
+    failures = []
+    seed = 0
+    for gname, env in NAN_GROUPS.items():
+        group = with_env(env, lambda: dist.new_group(backend="ringreduce"))
+        for dtype in NAN_DTYPES:
+            for count in NAN_COUNTS:
+                for op in (R.MIN, R.MAX):
+                    seed += 1
+                    xs = _nan_inputs(n, count, dtype, seed)
+                    for cname, run in _nan_calls(n, rank, op, xs):
+                        got, want = run(group)
+                        if got is None:
+                            continue
+                        try:
+                            torch.testing.assert_close(got, want, rtol=0, atol=0,
+                                                       equal_nan=True)
+                        except AssertionError as err:
+                            failures.append(f"rank {rank}: {gname} {cname} {dtype} "
+                                            f"count {count} {op}: {str(err).splitlines()[1:3]}")
+        dist.destroy_process_group(group)
+    return failures
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce",
+                    reason="gloo drops a NaN that is not on the first rank")
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_min_max_propagate_nan_from_any_rank(worlds, world_size):
+    failures = sum(worlds.run(world_size, min_max_with_nan), [])
+    assert failures == [], "\n".join(failures[:12])

@@ -19,6 +19,16 @@ struct Sum { template <typename T> T operator()(T a, T b) const { return a + b; 
 struct Prod { template <typename T> T operator()(T a, T b) const { return a * b; } };
 struct Min { template <typename T> T operator()(T a, T b) const { return b < a ? b : a; } };
 struct Max { template <typename T> T operator()(T a, T b) const { return a < b ? b : a; } };
+// Floating point: a NaN on any rank is the result, as torch.minimum/maximum
+// and amin/amax give, whatever rank it came from and in whatever order the
+// ranks are folded (the integer form above keeps the left operand for a NaN
+// on the right, so a NaN from any rank but the first would be dropped).
+struct NanMin {
+  template <typename T> T operator()(T a, T b) const { return (b < a || b != b) ? b : a; }
+};
+struct NanMax {
+  template <typename T> T operator()(T a, T b) const { return (a < b || b != b) ? b : a; }
+};
 struct BitAnd { template <typename T> T operator()(T a, T b) const { return a & b; } };
 struct BitOr { template <typename T> T operator()(T a, T b) const { return a | b; } };
 struct BitXor { template <typename T> T operator()(T a, T b) const { return a ^ b; } };
@@ -93,8 +103,8 @@ ReduceFn floatKernel(Op op) {
     case Op::SUM:
     case Op::AVG: return floatApply<T, kHalf, Maybe<kRev, Sum>>();
     case Op::PRODUCT: return floatApply<T, kHalf, Maybe<kRev, Prod>>();
-    case Op::MIN: return floatApply<T, kHalf, Maybe<kRev, Min>>();
-    case Op::MAX: return floatApply<T, kHalf, Maybe<kRev, Max>>();
+    case Op::MIN: return floatApply<T, kHalf, Maybe<kRev, NanMin>>();
+    case Op::MAX: return floatApply<T, kHalf, Maybe<kRev, NanMax>>();
     default: return nullptr;
   }
 }
