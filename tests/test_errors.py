@@ -90,7 +90,7 @@ BAD_CALLS = {
         "allgather", "output tensor 0 has dtype float64, expected float32", False),
     "all_gather_into_tensor_size": (
         lambda r, n: dist.all_gather_into_tensor(torch.empty(9), torch.ones(5), async_op=True),
-        "allgather_into_tensor", "has 9 elements, expected 10", False),
+        "allgather_into_tensor", "has 9 elements, expected 10 (float32[9] cpu)", False),
     # dist.send checks for self in Python; isend passes it to the backend.
     "send_to_self": (lambda r, n: dist.isend(torch.ones(4), dst=r),
                      "send", "cannot send to itself", True),
@@ -279,6 +279,8 @@ def test_group_timeout_names_the_peer_and_progress(fresh_world, op):
     assert "timed out" in msg, msg
     assert "with rank 1" in msg, msg
     assert re.search(r"got \d+ of \d+ bytes", msg), msg
+    if op == "all_reduce":  # the op's tensor, described when the message is built
+        assert "(float32[1000] cpu)" in msg, msg
     assert "no longer usable" in msg.lower(), msg
     assert GROUP_TIMEOUT_S - 0.5 <= info["elapsed_s"] < 2 * GROUP_TIMEOUT_S, (
         f"timed out after {info['elapsed_s']:.1f} s with a {GROUP_TIMEOUT_S} s timeout")

@@ -41,7 +41,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& t
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
     return allreduceSparse(tensors, opts);
   }
-  OpContext ctx = nextContext("allreduce", describe(tensors));
+  OpContext ctx = nextContext("allreduce", tensors);
   const at::Tensor t = single(ctx, tensors, "input");
   checkWritable(ctx, t, "input");
   ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
@@ -61,7 +61,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& t
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  OpContext ctx = nextContext("allreduce_coalesced", describe(tensors));
+  OpContext ctx = nextContext("allreduce_coalesced", tensors);
   RR_CHECK_VALUE(!tensors.empty(), ctx, "needs at least one tensor");
   int64_t total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -92,7 +92,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
-  OpContext ctx = nextContext("broadcast", describe(tensors));
+  OpContext ctx = nextContext("broadcast", tensors);
   const at::Tensor t = single(ctx, tensors, "input");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
   RR_CHECK_VALUE(opts.rootTensor == 0, ctx, "rootTensor must be 0, got ", opts.rootTensor);
@@ -112,7 +112,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
 
 c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
-  OpContext ctx = nextContext("reduce", describe(tensors));
+  OpContext ctx = nextContext("reduce", tensors);
   const at::Tensor t = single(ctx, tensors, "input");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
   ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
@@ -138,7 +138,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tens
 c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  OpContext ctx = nextContext("allgather", describe(inputs));
+  OpContext ctx = nextContext("allgather", inputs);
   const at::Tensor in = single(ctx, inputs, "input");
   RR_CHECK_VALUE(outputs.size() == 1, ctx, "expected one output list, got ", outputs.size());
   checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
@@ -163,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
 c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
                                                             at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  OpContext ctx = nextContext("allgather_into_tensor", describe(input));
+  OpContext ctx = nextContext("allgather_into_tensor", input);
   checkTensor(ctx, input, "input");
   checkLike(ctx, output, input.scalar_type(), input.numel() * getSize(),
             "output (world size x input)");
@@ -188,7 +188,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
 c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  OpContext ctx = nextContext("allgather_coalesced", describe(inputs));
+  OpContext ctx = nextContext("allgather_coalesced", inputs);
   RR_CHECK_VALUE(!inputs.empty(), ctx, "needs at least one input tensor");
   RR_CHECK_VALUE(outputLists.size() == static_cast<size_t>(getSize()), ctx, "expected ",
                  getSize(), " output lists (one per rank), got ", outputLists.size());
@@ -238,7 +238,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {
-  OpContext ctx = nextContext("gather", describe(inputs));
+  OpContext ctx = nextContext("gather", inputs);
   const at::Tensor in = single(ctx, inputs, "input");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
   int root = static_cast<int>(opts.rootRank);
@@ -284,7 +284,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
 c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) {
-  OpContext ctx = nextContext("scatter", describe(outputs));
+  OpContext ctx = nextContext("scatter", outputs);
   const at::Tensor out = single(ctx, outputs, "output");
   checkWritable(ctx, out, "output");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");

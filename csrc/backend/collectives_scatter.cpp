@@ -57,7 +57,7 @@ std::vector<size_t> offsetsOf(const std::vector<size_t>& bytes) {
 c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  OpContext ctx = nextContext("reduce_scatter", describe(outputs));
+  OpContext ctx = nextContext("reduce_scatter", outputs);
   const at::Tensor out = single(ctx, outputs, "output");
   RR_CHECK_VALUE(inputs.size() == 1, ctx, "expected one input list, got ", inputs.size());
   checkList(ctx, inputs[0], getSize(), out.scalar_type(), out.numel(), "input");
@@ -82,7 +82,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  OpContext ctx = nextContext("reduce_scatter_tensor", describe(input));
+  OpContext ctx = nextContext("reduce_scatter_tensor", input);
   checkTensor(ctx, output, "output");
   checkLike(ctx, input, output.scalar_type(), output.numel() * getSize(),
             "input (world size x output)");
@@ -104,7 +104,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
                                                           std::vector<int64_t>& outputSplits,
                                                           std::vector<int64_t>& inputSplits,
                                                           const c10d::AllToAllOptions& opts) {
-  OpContext ctx = nextContext("alltoall_base", describe(input));
+  OpContext ctx = nextContext("alltoall_base", input);
   checkTensor(ctx, input, "input");
   checkWritable(ctx, output, "output");
   RR_CHECK_VALUE(input.scalar_type() == output.scalar_type(), ctx, "output dtype ",
@@ -138,7 +138,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
 c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
-  OpContext ctx = nextContext("alltoall", describe(inputs));
+  OpContext ctx = nextContext("alltoall", inputs);
   RR_CHECK_VALUE(inputs.size() == static_cast<size_t>(getSize()) &&
                      outputs.size() == static_cast<size_t>(getSize()),
                  ctx, "expected ", getSize(), " input and output tensors (one per rank), got ",

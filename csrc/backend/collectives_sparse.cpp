@@ -58,7 +58,7 @@ std::string shapeOf(int64_t sparseDim, int64_t denseDim, int64_t dims) {
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allreduceSparse(std::vector<at::Tensor>& tensors,
                                                             const c10d::AllreduceOptions& opts) {
-  OpContext ctx = nextContext("allreduce", describe(tensors));
+  OpContext ctx = nextContext("allreduce", tensors);
   const at::Tensor t = tensors[0];
   RR_CHECK_VALUE(t.device().is_cpu(), ctx, "input is ", describe(t),
                  ": sparse all-reduce runs on CPU tensors only (move it with .cpu())");

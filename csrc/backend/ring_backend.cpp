@@ -104,8 +104,8 @@ std::chrono::milliseconds RingBackend::effective(std::chrono::milliseconds opTim
   return opTimeout == c10d::kUnsetTimeout ? timeout_ : opTimeout;
 }
 
-OpContext RingBackend::nextContext(const char* name, const std::string& tensor) const {
-  return OpContext{getRank(), getSize(), name, seq_ + 1, tensor};
+OpContext RingBackend::nextContext(const char* name, TensorDesc tensor) const {
+  return OpContext{getRank(), getSize(), name, seq_ + 1, std::move(tensor)};
 }
 
 OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
@@ -113,7 +113,8 @@ OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, u
   traffic_.countOp(name);
   OpInfo op;
   std::lock_guard<std::mutex> lock(mu_);
-  op.ctx = OpContext{getRank(), getSize(), name, ++seq_, t.defined() ? describe(t) : ""};
+  op.ctx = OpContext{getRank(), getSize(), name, ++seq_,
+                     t.defined() ? TensorDesc(t) : TensorDesc()};
   op.kind = kind;
   op.dtype = t.defined() ? static_cast<uint8_t>(t.scalar_type()) : 0;
   op.reduceOp = reduceOp;
@@ -334,14 +335,14 @@ void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
 
 c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                  int tag) {
-  OpContext ctx{getRank(), getSize(), "send", p2pSeq_ + 1, describe(tensors)};
+  OpContext ctx{getRank(), getSize(), "send", p2pSeq_ + 1, tensors};
   const at::Tensor& t = single(ctx, tensors, "send");
   checkRoot(ctx, dstRank, getSize(), "destination rank");
   RR_CHECK_VALUE(dstRank != getRank(), ctx, "a rank cannot send to itself");
   OpInfo op;
   op.ctx = OpContext{getRank(), getSize(), "send", ++p2pSeq_,
-                     describe(t) + " to rank " + std::to_string(dstRank) + " tag " +
-                         std::to_string(tag)};
+                     TensorDesc(t).append(" to rank " + std::to_string(dstRank) + " tag " +
+                                          std::to_string(tag))};
   op.kind = OpKind::kSend;
   op.dtype = static_cast<uint8_t>(t.scalar_type());
   op.timeout = timeout_;
@@ -369,7 +370,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
 
 c10::intrusive_ptr<c10d::Work> RingBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
                                                  int tag) {
-  OpContext ctx{getRank(), getSize(), "recv", p2pSeq_ + 1, describe(tensors)};
+  OpContext ctx{getRank(), getSize(), "recv", p2pSeq_ + 1, tensors};
   checkRoot(ctx, srcRank, getSize(), "source rank");
   RR_CHECK_VALUE(srcRank != getRank(), ctx, "a rank cannot receive from itself");
   return postRecv(tensors, srcRank, tag);
@@ -382,14 +383,14 @@ c10::intrusive_ptr<c10d::Work> RingBackend::recvAnysource(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& tensors,
                                                      int srcRank, int tag) {
-  OpContext ctx{getRank(), getSize(), "recv", p2pSeq_ + 1, describe(tensors)};
+  OpContext ctx{getRank(), getSize(), "recv", p2pSeq_ + 1, tensors};
   const at::Tensor& t = single(ctx, tensors, "recv");
   checkWritable(ctx, t, "recv");
   RR_CHECK_VALUE(getSize() > 1, ctx, "no peer to receive from in a group of one");
   std::string from = srcRank < 0 ? "any rank" : "rank " + std::to_string(srcRank);
   OpInfo op;
   op.ctx = OpContext{getRank(), getSize(), "recv", ++p2pSeq_,
-                     describe(t) + " from " + from + " tag " + std::to_string(tag)};
+                     TensorDesc(t).append(" from " + from + " tag " + std::to_string(tag))};
   op.kind = OpKind::kSend;
   op.dtype = static_cast<uint8_t>(t.scalar_type());
   op.timeout = timeout_;

@@ -123,7 +123,7 @@ class RingBackend : public c10d::Backend {
   };
 
   // The context of the next collective (for validation messages).
-  OpContext nextContext(const char* name, const std::string& tensor) const;
+  OpContext nextContext(const char* name, TensorDesc tensor) const;
   // Builds the wire identity of a collective and consumes a sequence number.
   OpInfo makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
                 uint64_t total, int32_t root = kNoRoot);

@@ -22,37 +22,80 @@ std::string dtypeName(c10::ScalarType dtype) {
   return c10::toString(dtype);
 }
 
-std::string describe(const at::Tensor& t) {
+namespace {
+constexpr size_t kShown = 3;  // tensors of a list a description names
+}  // namespace
+
+TensorDesc::Meta TensorDesc::capture(const at::Tensor& t) {
+  Meta m;
   if (!t.defined()) {
+    return m;
+  }
+  m.defined = true;
+  m.dtype = t.scalar_type();
+  m.sizes.assign(t.sizes().begin(), t.sizes().end());
+  m.device = t.device();
+  m.sparse = t.is_sparse();
+  m.contiguous = m.sparse || t.is_contiguous();
+  return m;
+}
+
+std::string TensorDesc::text(const Meta& m) {
+  if (!m.defined) {
     return "undefined tensor";
   }
-  std::string dtype = dtypeName(t.scalar_type());
   std::ostringstream os;
-  os << dtype << "[";
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    os << (d ? ", " : "") << t.size(d);
+  os << dtypeName(m.dtype) << "[";
+  for (size_t d = 0; d < m.sizes.size(); ++d) {
+    os << (d ? ", " : "") << m.sizes[d];
   }
-  os << "] " << t.device();
-  if (t.is_sparse()) {
+  os << "] " << m.device;
+  if (m.sparse) {
     os << " sparse";
-  } else if (!t.is_contiguous()) {
+  } else if (!m.contiguous) {
     os << " non-contiguous";
   }
   return os.str();
 }
 
-std::string describe(const std::vector<at::Tensor>& ts) {
-  constexpr size_t kShown = 3;
-  std::ostringstream os;
-  os << "[";
+TensorDesc::TensorDesc(const at::Tensor& t) {
+  shown_.push_back(capture(t));
+}
+
+TensorDesc::TensorDesc(const std::vector<at::Tensor>& ts) : count_(ts.size()), list_(true) {
   for (size_t i = 0; i < ts.size() && i < kShown; ++i) {
-    os << (i ? ", " : "") << describe(ts[i]);
+    shown_.push_back(capture(ts[i]));
   }
-  if (ts.size() > kShown) {
-    os << ", ... (" << ts.size() << " tensors)";
+}
+
+TensorDesc& TensorDesc::append(std::string suffix) {
+  suffix_ += suffix;
+  return *this;
+}
+
+std::string TensorDesc::str() const {
+  std::string s;
+  if (list_) {
+    s = "[";
+    for (size_t i = 0; i < shown_.size(); ++i) {
+      s += (i ? ", " : "") + text(shown_[i]);
+    }
+    if (count_ > kShown) {
+      s += ", ... (" + std::to_string(count_) + " tensors)";
+    }
+    s += "]";
+  } else if (!shown_.empty()) {
+    s = text(shown_[0]);
   }
-  os << "]";
-  return os.str();
+  return s + suffix_;
+}
+
+std::string describe(const at::Tensor& t) {
+  return TensorDesc(t).str();
+}
+
+std::string describe(const std::vector<at::Tensor>& ts) {
+  return TensorDesc(ts).str();
 }
 
 std::string rankPrefix(int rank, int size) {
@@ -70,7 +113,7 @@ std::string OpContext::prefix() const {
 std::string OpContext::message(const std::string& what) const {
   std::string m = prefix() + ": " + what;
   if (!tensor.empty()) {
-    m += " (" + tensor + ")";
+    m += " (" + tensor.str() + ")";
   }
   return m;
 }
