@@ -30,10 +30,21 @@ def run_once(backend, threads, nproc, train_args, folder):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", os.path.join(HERE, "ddp_cifar100.py"),
            "--backend", backend, "--threads", str(threads), "--json", out, *train_args.split()]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT, SIGSEGV) prints
+    # every thread's Python stack before it dies.
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONFAULTHANDLER="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"{backend} with {threads} thread(s) failed:\n{done.stderr[-3000:]}")
+        # torchrun's summary fills the end of stderr: keep all of it, and show
+        # the ranks' own last words (a C++ terminate, an abort, a traceback).
+        fd, log = tempfile.mkstemp(prefix=f"bench_train_{backend}_{threads}_", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(" ".join(cmd) + "\n\n" + done.stdout + "\n" + done.stderr)
+        words = ("terminate", "abort", "Abort", "Error", "error", "Fatal", "Signal", "Thread 0x")
+        last = [line for line in done.stderr.splitlines() if any(w in line for w in words)]
+        raise SystemExit(f"{backend} with {threads} thread(s) failed (exit {done.returncode}); "
+                         f"the whole output is in {log}; its lines that name an error:\n"
+                         + "\n".join(last[-40:]))
     with open(out) as f:
         return json.load(f)["final"]["samples_per_s"]
 
