@@ -59,6 +59,10 @@ BAD_CALLS = {
     # not (torch's dispatcher routes only all_reduce's to a backend).
     "sparse": (lambda r, n: backend_of().broadcast([_sparse(4)]),
                "broadcast", "must be dense", False),
+    # A list is described by its first three tensors and its length.
+    "several_inputs": (lambda r, n: backend_of().allreduce([torch.ones(4) for _ in range(5)]),
+                       "allreduce", "expected exactly one input tensor, got 5 [float32[4] cpu, "
+                       "float32[4] cpu, float32[4] cpu, ... (5 tensors)]", False),
     "bitwise_on_float": (lambda r, n: dist.all_reduce(torch.ones(4), op=R.BAND, async_op=True),
                          "allreduce", "reduce op BAND is not supported for dtype float32", False),
     "avg_on_int": (lambda r, n: dist.all_reduce(torch.ones(4, dtype=torch.int64), op=R.AVG,
