@@ -524,6 +524,50 @@ def test_no_fd_or_thread_leaks_over_group_lifetimes(bare_worlds, world_size, sam
             f"{LEAK_CYCLES - LEAK_WARMUP} groups")
 
 
+def _our_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith("rr-"))
+
+
+def _threads_around_destroy(ctx):
+    """Remote: our threads while a DDP model trains on the group, and after
+    destroy_process_group while the model still holds the group."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    store = ctx.new_store("threads")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    model = DDP(torch.nn.Linear(8, 8))
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+    dist.barrier()
+    during = _our_threads()
+    dist.destroy_process_group()
+    after = _our_threads()
+    held = model.process_group is not None
+    del model
+    return {"during": during, "after": after, "held": held}
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="the threads are ringreduce's")
+def test_destroy_joins_every_thread_even_while_ddp_holds_the_group(bare_worlds):
+    """gloo leaves its threads running until the last reference to the group
+    goes, which under DDP is often interpreter exit: one of them freeing a
+    tensor there aborts the process (seen in bench_train_backends). Ours are
+    joined by destroy_process_group itself."""
+    for rank, res in enumerate(bare_worlds(2).run(_threads_around_destroy, timeout=60)):
+        assert res["held"], f"rank {rank}: the DDP model no longer holds the group"
+        assert {"rr-worker", "rr-p2p"} <= set(res["during"]), (
+            f"rank {rank}: threads while training: {res['during']}")
+        assert res["after"] == [], f"rank {rank}: still running after destroy: {res['after']}"
+
+
 # --------------------------------------------------------------------------
 # A Work that outlives its group
 # --------------------------------------------------------------------------

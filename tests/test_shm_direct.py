@@ -165,11 +165,14 @@ def test_auto_follows_the_measured_crossovers(size, shared, bytes_, want):
 @pytest.mark.parametrize("forced,shared,want", [
     ("ring", True, "ring"), ("direct", True, "direct"), ("two_step", True, "two_step"),
     ("two_step", False, "ring"),  # no shared memory: auto
+    ("auto", True, "two_step"), ("hierarchical", True, "two_step"),  # one host: auto
 ])
 def test_forced_algorithms(forced, shared, want):
     from torch_ringreduce import _C
 
     assert _C._choose_allreduce(1 << 20, 3, shared, forced) == want
+    with pytest.raises(ValueError, match="not an all-reduce algorithm: 'tree'"):
+        _C._choose_allreduce(1 << 20, 3, shared, "tree")
 
 
 def test_an_unknown_algorithm_is_a_value_error(tmp_path):

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <iterator>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/segments.h"
@@ -153,6 +154,24 @@ void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology&
       allreduceRing(across, slice, n, elemSize, fn);
     }
   });
+}
+
+namespace {
+constexpr const char* kAllreduceNames[] = {"auto", "ring", "direct", "two_step", "hierarchical"};
+}  // namespace
+
+const char* allreduceName(AllreduceAlgorithm a) {
+  return kAllreduceNames[static_cast<int>(a)];
+}
+
+bool allreduceFromName(const std::string& name, AllreduceAlgorithm* out) {
+  for (int i = 0; i < static_cast<int>(std::size(kAllreduceNames)); ++i) {
+    if (name == kAllreduceNames[i]) {
+      *out = static_cast<AllreduceAlgorithm>(i);
+      return true;
+    }
+  }
+  return false;
 }
 
 size_t directSharedBytes(int size) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -15,6 +16,10 @@ namespace ringreduce {
 // (chooseAllreduce); the others force one, for benchmarks and tests
 // (RINGREDUCE_ALLREDUCE).
 enum class AllreduceAlgorithm : uint8_t { kAuto, kRing, kDirect, kTwoStep, kHierarchical };
+// Its name in RINGREDUCE_ALLREDUCE: auto, ring, direct, two_step, hierarchical.
+const char* allreduceName(AllreduceAlgorithm a);
+// The algorithm called `name`; false (and *out unchanged) when none is.
+bool allreduceFromName(const std::string& name, AllreduceAlgorithm* out);
 
 struct Comm {
   Transport& transport;

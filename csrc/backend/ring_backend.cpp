@@ -10,6 +10,7 @@
 #include "backend/validate.h"
 #include "common/env.h"
 #include "common/gil.h"
+#include "common/thread_name.h"
 #include "transport/factory.h"
 #include "transport/mesh.h"
 
@@ -27,14 +28,11 @@ thread_local bool tRunningOps = false;
 
 AllreduceAlgorithm allreduceFromEnv() {
   const std::string name = envString(kEnvAllreduce, "auto");
-  if (name == "auto") return AllreduceAlgorithm::kAuto;
-  if (name == "ring") return AllreduceAlgorithm::kRing;
-  if (name == "direct") return AllreduceAlgorithm::kDirect;
-  if (name == "two_step") return AllreduceAlgorithm::kTwoStep;
-  if (name == "hierarchical") return AllreduceAlgorithm::kHierarchical;
-  TORCH_CHECK_VALUE(false, "[ringreduce] ", kEnvAllreduce.name, "='", name,
+  AllreduceAlgorithm a = AllreduceAlgorithm::kAuto;
+  TORCH_CHECK_VALUE(allreduceFromName(name, &a), "[ringreduce] ", kEnvAllreduce.name, "='", name,
                     "' is not an all-reduce algorithm (expected auto, ring, direct, two_step or "
                     "hierarchical)");
+  return a;
 }
 
 }  // namespace
@@ -53,7 +51,10 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   // mesh underneath carries point-to-point and spreads failures.
   transport_ = connectGroup(store, rank, size, timeout);
   gate_->backend = this;
-  worker_ = std::thread([this] { workerLoop(); });
+  worker_ = std::thread([this] {
+    nameThisThread("rr-worker");
+    workerLoop();
+  });
 }
 
 RingBackend::~RingBackend() {

@@ -125,14 +125,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_choose_allreduce",
       [](size_t bytes, int size, bool shared, const std::string& forced, int hosts) {
-        using A = ringreduce::AllreduceAlgorithm;
-        A f = forced == "ring" ? A::kRing
-              : forced == "direct" ? A::kDirect
-              : forced == "two_step" ? A::kTwoStep
-              : forced == "hierarchical" ? A::kHierarchical : A::kAuto;
-        static const char* names[] = {"auto", "ring", "direct", "two_step", "hierarchical"};
-        return std::string(names[static_cast<int>(
-            ringreduce::chooseAllreduce(bytes, size, shared, f, hosts))]);
+        ringreduce::AllreduceAlgorithm f = ringreduce::AllreduceAlgorithm::kAuto;
+        TORCH_CHECK_VALUE(ringreduce::allreduceFromName(forced, &f),
+                          "not an all-reduce algorithm: '", forced, "'");
+        return std::string(
+            ringreduce::allreduceName(ringreduce::chooseAllreduce(bytes, size, shared, f, hosts)));
       },
       py::arg("bytes"), py::arg("size"), py::arg("shared"), py::arg("forced") = "auto",
       py::arg("hosts") = 1,

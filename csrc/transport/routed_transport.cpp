@@ -7,6 +7,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/thread_name.h"
 #include "transport/mesh.h"
 
 namespace ringreduce {
@@ -29,7 +30,12 @@ class Helper {
 
   void start(std::function<void()> job) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    if (!thread_.joinable()) {
+      thread_ = std::thread([this] {
+        nameThisThread("rr-route");
+        loop();
+      });
+    }
     job_ = std::move(job);
     done_ = false;
     cv_.notify_all();

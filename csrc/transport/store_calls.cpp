@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "common/errors.h"
+#include "common/thread_name.h"
 
 namespace ringreduce {
 namespace {
@@ -52,6 +53,7 @@ std::shared_ptr<CallState> start(const c10::intrusive_ptr<c10d::Store>& store,
                                  std::function<void(c10d::Store&)> fn) {
   auto state = std::make_shared<CallState>();
   std::thread([state, store, fn = std::move(fn)] {
+    nameThisThread("rr-store");
     std::exception_ptr error;
     try {
       fn(*store);

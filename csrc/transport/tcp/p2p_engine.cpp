@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/thread_name.h"
 #include "transport/tcp/socket.h"
 
 namespace ringreduce {
@@ -44,7 +45,10 @@ P2PEngine::P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::
       explain_(std::move(explain)) {
   TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, rankPrefix(rank, size),
               " pipe2 failed: ", std::strerror(errno));
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    nameThisThread("rr-p2p");
+    loop();
+  });
 }
 
 P2PEngine::~P2PEngine() {

@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "common/env.h"
+#include "common/thread_name.h"
 #include "transport/tcp/p2p_engine.h"
 #include "transport/tcp/tcp_mesh.h"
 
@@ -129,7 +130,10 @@ void TcpMesh::connectMesh(std::chrono::milliseconds timeout) {
   listenFd_ = listenOn(chooseLocalAddress(storeHost(store_.ptr())), &bound_);
   store_.set(storeBase_ + "addr/" + std::to_string(rank_), formatAddress(bound_), deadline,
              joining);
-  acceptThread_ = std::thread([this] { acceptLoop(); });
+  acceptThread_ = std::thread([this] {
+    nameThisThread("rr-accept");
+    acceptLoop();
+  });
   try {
     for (int peer = 0; peer < rank_; ++peer) {
       connectToLower(peer, deadline);
