@@ -555,6 +555,40 @@ def _threads_around_destroy(ctx):
     return {"during": during, "after": after, "held": held}
 
 
+def _destroy_right_after_a_finished_op(ctx, delay_ms):
+    """Remote: an async all_reduce, waited, then destroy_process_group at once,
+    while the worker (delayed by the hook) has not yet left the op it
+    completed. Returns the backend's abort reason after the destroy."""
+    from torch_ringreduce import _C
+
+    store = ctx.new_store("cleanexit")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    t = torch.ones(1024)
+    previous = _C._test_complete_delay_ms(delay_ms)
+    try:
+        work = dist.all_reduce(t, async_op=True)
+        time.sleep(0.1)  # the worker takes it (else wait() would run it here)
+        work.wait()
+        dist.destroy_process_group()
+    finally:
+        _C._test_complete_delay_ms(previous)
+    return {"sum": t[0].item(), "abort_reason": backend.abort_reason()}
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="abort_reason is ringreduce's")
+def test_destroy_after_a_completed_op_does_not_abort_the_group(bare_worlds):
+    """The worker completes an op's Work before it lets go of the op: a
+    destroy_process_group in between used to count the op as pending and
+    abort the group (publishing 'shut down with 1 op(s) pending' on a clean
+    exit)."""
+    for rank, res in enumerate(bare_worlds(2).run(_destroy_right_after_a_finished_op, 300,
+                                                  timeout=60)):
+        assert res["sum"] == 2.0, f"rank {rank}: {res}"
+        assert res["abort_reason"] == "", f"rank {rank}: the clean destroy aborted: {res}"
+
+
 @pytest.mark.skipif(backend_under_test() != "ringreduce", reason="the threads are ringreduce's")
 def test_destroy_joins_every_thread_even_while_ddp_holds_the_group(bare_worlds):
     """gloo leaves its threads running until the last reference to the group

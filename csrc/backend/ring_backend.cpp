@@ -37,6 +37,11 @@ AllreduceAlgorithm allreduceFromEnv() {
 
 }  // namespace
 
+std::atomic<int64_t>& testCompleteDelayMs() {
+  static std::atomic<int64_t> ms{0};
+  return ms;
+}
+
 RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                          std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size), timeout_(timeout) {
@@ -74,7 +79,10 @@ void RingBackend::shutdown() {
     if (stopping_ && !worker_.joinable()) return;
     stopping_ = true;
     dropped.swap(queue_);
-    busy = running_;
+    // An op whose Work completed may still hold running_ for a moment (its
+    // thread is on the way out of runEntry): it needs no abort, and aborting
+    // for it would publish a failure on a clean exit.
+    busy = running_ && !runningConfirmed_;
   }
   cv_.notify_all();
   const std::string why = "the process group was shut down (destroy_process_group) with " +
@@ -163,6 +171,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
       return work;
     }
     running_ = true;  // keeps the worker off while this op runs here
+    runningConfirmed_ = false;
   }
   auto finish = c10::make_scope_exit([this] { finishRunning(); });
   runEntry(e);
@@ -201,8 +210,15 @@ void RingBackend::runEntry(Entry& e) {
     stage.beforeRun();  // CUDA: the copies to the host are done
     e.run(comm);
     transport_->confirm(e.op);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      runningConfirmed_ = true;
+    }
     stage.afterRun();  // CUDA: the results go back only after a successful op
     e.work->complete();
+    if (const int64_t ms = testCompleteDelayMs().load(std::memory_order_relaxed)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    }
   } catch (const std::exception& err) {
     // A rank that fails mid-op has left the protocol: abort, so its peers
     // fail now instead of at the timeout.
@@ -224,6 +240,7 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
       e = std::move(queue_.front());
       queue_.pop_front();
       running_ = true;  // keeps the worker off, as for an inline op
+      runningConfirmed_ = false;
     }
     auto finish = c10::make_scope_exit([this] { finishRunning(); });  // also if it throws
     runEntry(e);
@@ -241,6 +258,7 @@ void RingBackend::workerLoop() {
       e = std::move(queue_.front());
       queue_.pop_front();
       running_ = true;
+      runningConfirmed_ = false;
     }
     runEntry(e);
     finishRunning();

@@ -28,6 +28,10 @@ namespace ringreduce {
 
 class WaitPolicy;
 
+// Testing only: each op run sleeps this long after completing its Work, before
+// its thread takes the next one (0: not at all), as a preempted worker would.
+std::atomic<int64_t>& testCompleteDelayMs();
+
 class RingBackend : public c10d::Backend {
  public:
   RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -98,6 +102,8 @@ class RingBackend : public c10d::Backend {
   // device "cuda": how CUDA tensors travel ("host-staging", "none" in a CPU
   // build).
   std::string transportKind(const std::string& device = "cpu") const;
+  // Empty while the group is healthy, else why this rank aborted it.
+  std::string abortReason() const { return transport_->abortReason(); }
   // How this rank waits for its peers (transport/wait_policy.h).
   const WaitPolicy& waitPolicy() const;
   std::vector<std::string> refusedConnections() const;
@@ -161,7 +167,7 @@ class RingBackend : public c10d::Backend {
   AllreduceAlgorithm allreduce_;  // RINGREDUCE_ALLREDUCE, read once
   Traffic traffic_;  // atomics: updated by the worker, transport threads and callers
 
-  // Locking: mu_ guards queue_, stopping_, running_ and seq_ (cv_ waits on
+  // Locking: mu_ guards queue_, stopping_, running_, runningConfirmed_ and seq_ (cv_ waits on
   // it). It is never held while an op runs or a store call waits, so a
   // caller's enqueue never waits for an op. The op itself runs with no lock of
   // ours held (worker thread, or the caller's when inline).
@@ -170,6 +176,9 @@ class RingBackend : public c10d::Backend {
   std::deque<Entry> queue_;  // guarded by mu_
   bool stopping_ = false;    // guarded by mu_
   bool running_ = false;     // guarded by mu_: an op is running (on the worker or inline)
+  // guarded by mu_: the running op has passed its final check (confirm), so
+  // shutdown() need not abort the group for it: it only completes its Work.
+  bool runningConfirmed_ = false;
   uint64_t seq_ = 0;         // guarded by mu_: last collective sequence number issued
   // Point-to-point and monitored-barrier numbering: any caller thread, no lock.
   std::atomic<uint64_t> p2pSeq_{0};

@@ -56,6 +56,9 @@ PYBIND11_MODULE(_C, m) {
           "This rank's traffic on this group since it was created or last reset: "
           "{'bytes_sent': int, 'bytes_received': int, 'ops': {dist op name: count}}. "
           "Payload bytes of completed transfers (message headers not counted).")
+      .def("abort_reason", &ringreduce::RingBackend::abortReason,
+           "'' while the group is healthy; else why this rank aborted it (its first failure, "
+           "destroy_process_group with ops pending, abort())")
       .def("reset_stats", &ringreduce::RingBackend::resetTraffic,
            "Zeroes the counters that stats() reports")
       .def(
@@ -106,6 +109,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("ms"),
       "Testing only: each shared-memory op's final check (confirm) first sleeps this long "
       "(0: not at all); returns the previous value.");
+
+  m.def(
+      "_test_complete_delay_ms",
+      [](int64_t ms) { return ringreduce::testCompleteDelayMs().exchange(ms); }, py::arg("ms"),
+      "Testing only: each op's run sleeps this long after completing its Work, before its "
+      "thread moves on (0: not at all); returns the previous value.");
 
   m.def(
       "_cgroup_cpu_limit",
