@@ -152,13 +152,15 @@ void TcpMesh::connectMesh(std::chrono::milliseconds timeout) {
     TORCH_CHECK(missing().empty(), prefix, " connecting the group timed out after ",
                 timeout.count(), " ms: no connection from rank(s) ", missing(),
                 " (did every rank call init_process_group / new_group?)");
+    // Inside the try: an engine that cannot start (no fd for its pipe, no
+    // thread) must not leave the accept thread running (std::terminate).
+    p2p_ = std::make_unique<P2PEngine>(
+        rank_, size_, fds_[kP2P], peerAddr_, [this](const std::string& why) { abort(why); },
+        [this](const std::string& why) { return groupCause(why); });
   } catch (...) {
     close();
     throw;
   }
-  p2p_ = std::make_unique<P2PEngine>(
-      rank_, size_, fds_[kP2P], peerAddr_, [this](const std::string& why) { abort(why); },
-      [this](const std::string& why) { return groupCause(why); });
 }
 
 void TcpMesh::connectToLower(int peer, Clock::time_point deadline) {
