@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import time
+from collections import Counter
 from datetime import timedelta
 
 import pytest
@@ -540,6 +541,7 @@ def _threads_around_destroy(ctx):
     destroy_process_group while the model still holds the group."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    before = _our_threads()  # a store call an earlier test left may still be finishing
     store = ctx.new_store("threads")
     dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
                             world_size=ctx.world_size, timeout=ctx.pg_timeout)
@@ -549,7 +551,7 @@ def _threads_around_destroy(ctx):
     dist.barrier()
     during = _our_threads()
     dist.destroy_process_group()
-    after = _our_threads()
+    after = sorted((Counter(_our_threads()) - Counter(before)).elements())
     held = model.process_group is not None
     del model
     return {"during": during, "after": after, "held": held}

@@ -82,7 +82,7 @@ void RingBackend::shutdown() {
     // An op whose Work completed may still hold running_ for a moment (its
     // thread is on the way out of runEntry): it needs no abort, and aborting
     // for it would publish a failure on a clean exit.
-    busy = running_ && !runningConfirmed_;
+    busy = running_ && !runningConfirmed_.load(std::memory_order_acquire);
   }
   cv_.notify_all();
   const std::string why = "the process group was shut down (destroy_process_group) with " +
@@ -171,7 +171,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
       return work;
     }
     running_ = true;  // keeps the worker off while this op runs here
-    runningConfirmed_ = false;
+    runningConfirmed_.store(false, std::memory_order_relaxed);
   }
   auto finish = c10::make_scope_exit([this] { finishRunning(); });
   runEntry(e);
@@ -210,10 +210,7 @@ void RingBackend::runEntry(Entry& e) {
     stage.beforeRun();  // CUDA: the copies to the host are done
     e.run(comm);
     transport_->confirm(e.op);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      runningConfirmed_ = true;
-    }
+    runningConfirmed_.store(true, std::memory_order_release);
     stage.afterRun();  // CUDA: the results go back only after a successful op
     e.work->complete();
     if (const int64_t ms = testCompleteDelayMs().load(std::memory_order_relaxed)) {
@@ -240,7 +237,7 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
       e = std::move(queue_.front());
       queue_.pop_front();
       running_ = true;  // keeps the worker off, as for an inline op
-      runningConfirmed_ = false;
+      runningConfirmed_.store(false, std::memory_order_relaxed);
     }
     auto finish = c10::make_scope_exit([this] { finishRunning(); });  // also if it throws
     runEntry(e);
@@ -258,7 +255,7 @@ void RingBackend::workerLoop() {
       e = std::move(queue_.front());
       queue_.pop_front();
       running_ = true;
-      runningConfirmed_ = false;
+      runningConfirmed_.store(false, std::memory_order_relaxed);
     }
     runEntry(e);
     finishRunning();

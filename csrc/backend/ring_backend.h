@@ -167,7 +167,7 @@ class RingBackend : public c10d::Backend {
   AllreduceAlgorithm allreduce_;  // RINGREDUCE_ALLREDUCE, read once
   Traffic traffic_;  // atomics: updated by the worker, transport threads and callers
 
-  // Locking: mu_ guards queue_, stopping_, running_, runningConfirmed_ and seq_ (cv_ waits on
+  // Locking: mu_ guards queue_, stopping_, running_ and seq_ (cv_ waits on
   // it). It is never held while an op runs or a store call waits, so a
   // caller's enqueue never waits for an op. The op itself runs with no lock of
   // ours held (worker thread, or the caller's when inline).
@@ -176,9 +176,11 @@ class RingBackend : public c10d::Backend {
   std::deque<Entry> queue_;  // guarded by mu_
   bool stopping_ = false;    // guarded by mu_
   bool running_ = false;     // guarded by mu_: an op is running (on the worker or inline)
-  // guarded by mu_: the running op has passed its final check (confirm), so
-  // shutdown() need not abort the group for it: it only completes its Work.
-  bool runningConfirmed_ = false;
+  // The running op has passed its final check (confirm), so shutdown() need
+  // not abort the group for it: it only completes its Work. Cleared with
+  // running_ set (under mu_), set by the op's thread without the lock (no
+  // lock per op); shutdown() reads it under mu_.
+  std::atomic<bool> runningConfirmed_{false};
   uint64_t seq_ = 0;         // guarded by mu_: last collective sequence number issued
   // Point-to-point and monitored-barrier numbering: any caller thread, no lock.
   std::atomic<uint64_t> p2pSeq_{0};
