@@ -180,3 +180,42 @@ def test_cifar100_python_archive_is_read(tmp_path):
     x, y = val.batch(torch.arange(4), "cpu", augment=True,
                      generator=torch.Generator().manual_seed(0))
     assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and y.tolist() == [0, 1, 2, 3]
+
+
+def _fake_torchrun(returncode, writes_result, stderr=""):
+    """A subprocess.run stand-in for bench_train_backends.run_once: rank 0's
+    JSON written (or not), then the given exit."""
+    import subprocess
+
+    def run(cmd, **kwargs):
+        if writes_result:
+            out = cmd[cmd.index("--json") + 1]
+            with open(out, "w") as f:
+                json.dump({"final": {"samples_per_s": 123.5}}, f)
+        return subprocess.CompletedProcess(cmd, returncode, "", stderr)
+    return run
+
+
+def test_bench_train_keeps_a_run_that_died_only_at_exit(monkeypatch, tmp_path, capsys):
+    """A rank that dies after rank 0 wrote the results (gloo's exit-time
+    abort) keeps the figure and is reported; a run that wrote nothing stops
+    the benchmark; a stale result from an earlier repeat never counts."""
+    import bench_train_backends as btb
+
+    abort = "terminate called without an active exception\nexitcode  : -6 (pid: 1)"
+    monkeypatch.setattr(btb.subprocess, "run", _fake_torchrun(0, True))
+    assert btb.run_once("gloo", 1, 2, "--synthetic", str(tmp_path)) == (123.5, None)
+
+    monkeypatch.setattr(btb.subprocess, "run", _fake_torchrun(1, True, abort))
+    rate, log = btb.run_once("gloo", 1, 2, "--synthetic", str(tmp_path))
+    assert rate == 123.5 and log is not None
+    with open(log) as f:
+        assert "terminate called without an active exception" in f.read()
+    assert "died at exit" in capsys.readouterr().out
+    os.remove(log)
+
+    # The previous repeat's JSON is still in the folder: it must not count.
+    monkeypatch.setattr(btb.subprocess, "run", _fake_torchrun(1, False, abort))
+    with pytest.raises(SystemExit, match="gloo with 1 thread\\(s\\) failed") as err:
+        btb.run_once("gloo", 1, 2, "--synthetic", str(tmp_path))
+    os.remove(str(err.value).split("the whole output is in ")[1].split(";")[0])
