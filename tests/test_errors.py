@@ -15,6 +15,8 @@ import os
 import re
 import signal
 import socket
+import sys
+import tempfile
 import time
 from collections import Counter
 from datetime import timedelta
@@ -577,6 +579,78 @@ def _destroy_right_after_a_finished_op(ctx, delay_ms):
     finally:
         _C._test_complete_delay_ms(previous)
     return {"sum": t[0].item(), "abort_reason": backend.abort_reason()}
+
+
+def _ops_with_throwing_future_callbacks(ctx):
+    """Remote: a synchronous all_reduce (run on the caller's thread), an async
+    one (run by the worker) and a send/recv pair (completed by the transport's
+    thread), each with a C++ callback on its Future that throws. Then a plain
+    all_reduce. Returns the results, the abort reason and what was logged."""
+    from torch_ringreduce import _C
+
+    store = ctx.new_store("throwcb")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    out = {}
+    log = tempfile.TemporaryFile()
+    saved = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    previous = _C._test_throwing_future_callbacks(3)
+    try:
+        t = torch.full((1024,), float(ctx.rank + 1))
+        dist.all_reduce(t)
+        out["sync"] = t.clone()
+        t = torch.full((1024,), float(ctx.rank + 1))
+        work = dist.all_reduce(t, async_op=True)
+        time.sleep(0.1)  # the worker takes it (else wait() would run it here)
+        out["async_returned"] = work.wait()
+        out["async"] = t.clone()
+        out["async_future"] = work.get_future().value()[0].clone()
+        p2p = torch.arange(100, dtype=torch.float32) if ctx.rank == 0 else torch.zeros(100)
+        if ctx.rank == 0:
+            dist.send(p2p, dst=1)
+        else:
+            dist.recv(p2p, src=0)
+        out["p2p"] = p2p
+        out["left"] = _C._test_throwing_future_callbacks(previous)
+        t = torch.full((1024,), float(ctx.rank + 1))
+        dist.all_reduce(t)
+        out["after"] = t
+        out["abort_reason"] = backend.abort_reason()
+        dist.destroy_process_group()
+    finally:
+        _C._test_throwing_future_callbacks(previous)
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        log.seek(0)
+        out["log"] = log.read().decode(errors="replace")
+        log.close()
+    return out
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="the test hook is ringreduce's")
+def test_a_throwing_future_callback_neither_fails_nor_hangs_the_op(bare_worlds):
+    """Completing a Work runs its Future's callbacks on the thread that ran
+    the op. One that throws (a raw C++ addCallback) used to fail the finished
+    op and abort the group on the caller's thread, and to escape the worker
+    and transport threads (std::terminate) before wait() could return. It is
+    logged, and the op, its Future and the group stand."""
+    res = bare_worlds(2).run(_ops_with_throwing_future_callbacks, timeout=60)
+    expected = torch.full((1024,), 3.0)
+    for rank, r in enumerate(res):
+        for key in ("sync", "async", "async_future", "after"):
+            torch.testing.assert_close(r[key], expected, msg=f"rank {rank}: {key}")
+        assert r["async_returned"] is True, f"rank {rank}"
+        assert torch.equal(r["p2p"], torch.arange(100, dtype=torch.float32)), f"rank {rank}"
+        assert r["left"] == 0, f"rank {rank}: {r['left']} hooked ops never ran"
+        assert r["abort_reason"] == "", f"rank {rank}: the group aborted: {r['abort_reason']}"
+        logged = r["log"].count("a callback of this op's Future threw, ignored: "
+                                "test: a throwing callback")
+        assert logged == 3, f"rank {rank}: {logged} callbacks logged:\n{r['log']}"
+        for op in ("allreduce#1", "allreduce#2", "send#1" if rank == 0 else "recv#1"):
+            assert f"rank {rank}/2] {op}: a callback" in r["log"], f"rank {rank}: {r['log']}"
 
 
 @pytest.mark.skipif(backend_under_test() != "ringreduce", reason="abort_reason is ringreduce's")

@@ -1,6 +1,7 @@
 #include "backend/ring_work.h"
 
 #include <ATen/core/jit_type.h>
+#include <c10/util/Logging.h>
 
 namespace ringreduce {
 
@@ -47,7 +48,18 @@ RingWork::RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> out
       outputs_(std::move(outputs)),
       stage_(std::move(stage)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()), devicesOf(stage_))) {}
+          c10::ListType::create(c10::TensorType::get()), devicesOf(stage_))) {
+  std::atomic<int64_t>& throwing = testThrowingCallbacks();
+  if (throwing.load(std::memory_order_relaxed) > 0 && throwing.fetch_sub(1) > 0) {
+    future_->addCallback(
+        [](c10::ivalue::Future&) { throw std::runtime_error("test: a throwing callback"); });
+  }
+}
+
+std::atomic<int64_t>& testThrowingCallbacks() {
+  static std::atomic<int64_t> works{0};
+  return works;
+}
 
 bool RingWork::isCompleted() {
   std::lock_guard<std::mutex> lock(doneMu_);
@@ -119,7 +131,8 @@ void RingWork::complete(int sourceRank) {
     sourceRank_ = sourceRank;
   }
   // CUDA: the Future's events are recorded on the stream of the copies back.
-  stage_.onInternalStream([this] { future_->markCompleted(c10::IValue(outputs_)); });
+  stage_.onInternalStream(
+      [this] { settleFuture([this] { future_->markCompleted(c10::IValue(outputs_)); }); });
   {
     std::lock_guard<std::mutex> lock(doneMu_);
     done_ = true;
@@ -129,13 +142,33 @@ void RingWork::complete(int sourceRank) {
 
 void RingWork::fail(std::exception_ptr error) {
   endProfiling();
-  future_->setError(error);
+  settleFuture([this, &error] {
+    if (!future_->completed()) future_->setError(error);
+  });
   {
     std::lock_guard<std::mutex> lock(doneMu_);
     done_ = true;
     error_ = error;
   }
   doneCv_.notify_all();
+}
+
+// Completing the Future runs its callbacks inline on this thread (the
+// worker, a transport's thread or the caller). The op's outcome is settled by
+// then, so a callback that throws (a raw C++ addCallback; torch's `then` and
+// Python's add_done_callback catch their own) must neither fail a finished op
+// nor escape: on the worker that would be std::terminate, and done_ would
+// never be set, leaving wait() blocked. Log it as Python's add_done_callback
+// does; the callbacks after it in the Future's list do not run.
+void RingWork::settleFuture(const std::function<void()>& settle) {
+  try {
+    settle();
+  } catch (const std::exception& err) {
+    LOG(ERROR) << ctx_.message(std::string("a callback of this op's Future threw, ignored: ") +
+                               err.what());
+  } catch (...) {
+    LOG(ERROR) << ctx_.message("a callback of this op's Future threw a non-std exception, ignored");
+  }
 }
 
 }  // namespace ringreduce

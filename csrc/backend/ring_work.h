@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -15,6 +16,10 @@
 #include "common/errors.h"
 
 namespace ringreduce {
+
+// Testing only: the next this-many Works get a C++ callback on their Future
+// that throws (RingWork::complete must log it, and the op still succeed).
+std::atomic<int64_t>& testThrowingCallbacks();
 
 class RingWork : public c10d::Work {
  public:
@@ -52,6 +57,7 @@ class RingWork : public c10d::Work {
 
  private:
   void endProfiling();
+  void settleFuture(const std::function<void()>& settle);
 
   std::function<void(RingWork*)> helper_;
   const OpContext ctx_;

@@ -117,6 +117,13 @@ PYBIND11_MODULE(_C, m) {
       "thread moves on (0: not at all); returns the previous value.");
 
   m.def(
+      "_test_throwing_future_callbacks",
+      [](int64_t works) { return ringreduce::testThrowingCallbacks().exchange(works); },
+      py::arg("works"),
+      "Testing only: the next this-many ops get a C++ callback on their Future that throws "
+      "when the op completes; returns the previous value.");
+
+  m.def(
       "_cgroup_cpu_limit",
       [](const std::string& procCgroup, const std::string& mountRoot) {
         return ringreduce::cgroupCpuLimit(procCgroup, mountRoot);
