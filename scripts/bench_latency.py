@@ -1,4 +1,5 @@
-"""Small-message latency of the rooted collectives, for comparing two builds.
+"""Small-message latency of the rooted collectives, for comparing two builds,
+and where a small all-reduce's time goes.
 
     python scripts/bench_latency.py                          # this checkout, 2 ranks, shm
     python scripts/bench_latency.py --repo /tmp/old --shm 0  # another checkout's build, TCP
@@ -8,6 +9,15 @@ broadcast, gather, scatter, barrier) of 4 KiB of float32
 runs 200 times as warm-up, then 5 repeats of 1,000; the line printed is rank
 0's median repeat per op, in microseconds, as JSON. Run two builds alternately
 several times and compare medians: one run on a busy machine means little.
+
+Beside them, the all-reduce's floor and its cost without Python:
+all_reduce_one_rank is dist.all_reduce on each rank's own one-rank group (every
+rank at once: the call's cost with nothing to exchange), and
+all_reduce_cpp_loop / all_reduce_cpp_loop_one_rank run the same synchronous
+all-reduces from a C++ loop in the backend (RingBackend._loop_allreduce: no
+Python and no c10d dispatch per call), so their difference is what the
+exchange itself costs. over_one_rank and cpp_over_one_rank give the two
+differences. Builds without _loop_allreduce skip the C++ rows.
 """
 import argparse
 import json
@@ -41,19 +51,31 @@ def rank_main(rank, args, path, queue):
         "scatter": lambda: dist.scatter(t, blocks if rank == 0 else None, src=0),
         "barrier": dist.barrier,
     }
+    # Every rank creates every one-rank group; each then uses its own.
+    solo = [dist.new_group([r], backend="ringreduce") for r in range(args.nproc)][rank]
+    ops["all_reduce_one_rank"] = lambda: dist.all_reduce(t, group=solo)
+    loops = {name: lambda iters, op=op: [op() for _ in range(iters)] for name, op in ops.items()}
+    cpu = torch.device("cpu")
+    backends = {"": dist.group.WORLD._get_backend(cpu), "_one_rank": solo._get_backend(cpu)}
+    for suffix, backend in backends.items():
+        if hasattr(backend, "_loop_allreduce"):
+            loops["all_reduce_cpp_loop" + suffix] = (
+                lambda iters, b=backend: b._loop_allreduce(t, iters))
     medians = {}
-    for name, op in ops.items():
-        for _ in range(200):
-            op()
+    for name, loop in loops.items():
+        loop(200)
         repeats = []
         for _ in range(5):
             dist.barrier()
             started = time.perf_counter()
-            for _ in range(args.iters):
-                op()
+            loop(args.iters)
             dist.barrier()  # ends with the slowest rank
             repeats.append((time.perf_counter() - started) / args.iters * 1e6)
-        medians[name] = round(sorted(repeats)[2], 1)
+        medians[name] = round(sorted(repeats)[2], 2)
+    medians["over_one_rank"] = round(medians["all_reduce"] - medians["all_reduce_one_rank"], 2)
+    if "all_reduce_cpp_loop" in medians:
+        medians["cpp_over_one_rank"] = round(
+            medians["all_reduce_cpp_loop"] - medians["all_reduce_cpp_loop_one_rank"], 2)
     queue.put((rank, medians))
     dist.destroy_process_group()
 

@@ -348,3 +348,18 @@ def test_a_stopped_rank_is_named_at_the_timeout(fresh_world):
         assert info is not None and info["is_dist_backend_error"], info
         assert timeout_s - 0.1 <= info["elapsed_s"] < timeout_s + DETECT_S, info
         assert f"rank {victim} made no progress" in info["msg"], info["msg"]
+
+
+def _loop_allreduce(ctx):
+    """Remote: three all-reduces of ones from the backend's C++ loop (the
+    benchmark's hook): in place, each on the last one's result."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    t = torch.ones(1000)
+    seconds = backend._loop_allreduce(t, 3)
+    return t, seconds
+
+
+def test_the_cpp_loop_of_bench_latency_reduces_every_call(worlds):
+    for rank, (t, seconds) in enumerate(worlds.run(2, _loop_allreduce)):
+        torch.testing.assert_close(t, torch.full((1000,), 8.0), msg=f"rank {rank}")
+        assert seconds > 0, f"rank {rank}: {seconds}"

@@ -56,6 +56,21 @@ PYBIND11_MODULE(_C, m) {
           "This rank's traffic on this group since it was created or last reset: "
           "{'bytes_sent': int, 'bytes_received': int, 'ops': {dist op name: count}}. "
           "Payload bytes of completed transfers (message headers not counted).")
+      .def(
+          "_loop_allreduce",
+          [](ringreduce::RingBackend& b, at::Tensor t, int64_t iters) {
+            std::vector<at::Tensor> ts{t};
+            c10d::AllreduceOptions opts;
+            opts.asyncOp = false;
+            auto start = std::chrono::steady_clock::now();
+            for (int64_t i = 0; i < iters; ++i) b.allreduce(ts, opts)->wait();
+            return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                       .count() / iters;
+          },
+          py::arg("tensor"), py::arg("iters"), py::call_guard<py::gil_scoped_release>(),
+          "Benchmarks only: `iters` synchronous all-reduces (SUM) of `tensor` in place, called "
+          "from a C++ loop (no Python and no c10d dispatch per call), each waited before the "
+          "next; returns the seconds per call. Every rank of the group must call it alike.")
       .def("abort_reason", &ringreduce::RingBackend::abortReason,
            "'' while the group is healthy; else why this rank aborted it (its first failure, "
            "destroy_process_group with ops pending, abort())")
