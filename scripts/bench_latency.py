@@ -31,6 +31,13 @@ from datetime import timedelta
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def python_loop(op):
+    def loop(iters):
+        for _ in range(iters):
+            op()
+    return loop
+
+
 def rank_main(rank, args, path, queue):
     sys.path.insert(0, args.repo)
     import torch
@@ -54,7 +61,7 @@ def rank_main(rank, args, path, queue):
     # Every rank creates every one-rank group; each then uses its own.
     solo = [dist.new_group([r], backend="ringreduce") for r in range(args.nproc)][rank]
     ops["all_reduce_one_rank"] = lambda: dist.all_reduce(t, group=solo)
-    loops = {name: lambda iters, op=op: [op() for _ in range(iters)] for name, op in ops.items()}
+    loops = {name: python_loop(op) for name, op in ops.items()}
     cpu = torch.device("cpu")
     backends = {"": dist.group.WORLD._get_backend(cpu), "_one_rank": solo._get_backend(cpu)}
     for suffix, backend in backends.items():
