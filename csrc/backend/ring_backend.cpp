@@ -18,10 +18,12 @@ namespace ringreduce {
 namespace {
 
 // Whether this thread is inside runEntry (the worker, an inline op or a
-// helping wait()): a Future callback there that waits on another Work must
-// not try to run ops itself, and shutdown() from there must not wait for
-// its own op to end.
+// helping wait()): shutdown() from there must not wait for its own op to end,
+// and a wait() there must not run ops itself. (A Work's Future callbacks run
+// after runEntry, so a wait() in them may.)
 thread_local bool tRunningOps = false;
+// Whether this thread is a worker running a Future's callbacks.
+thread_local bool tWorkerInCallbacks = false;
 
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
@@ -56,10 +58,28 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   // mesh underneath carries point-to-point and spreads failures.
   transport_ = connectGroup(store, rank, size, timeout);
   gate_->backend = this;
-  worker_ = std::thread([this] {
+  std::lock_guard<std::mutex> lock(mu_);
+  spawnWorkerLocked();
+}
+
+void RingBackend::spawnWorkerLocked() {
+  workers_.emplace_back([this] {
     nameThisThread("rr-worker");
     workerLoop();
   });
+}
+
+void RingBackend::ensureWorkerLocked() {
+  // A Future callback on a worker queued this op and may block until it
+  // completes (torch's PowerSGD hook waits on a new all_reduce's Future in its
+  // `then` callback). When every worker is inside callbacks, another one runs
+  // the queue meanwhile. Only then: a worker that settles a Work while the
+  // caller queues its next op (DDP's buckets, an async op waited at once) is
+  // back in its loop within microseconds, and a thread per such op cost 10 us.
+  if (tWorkerInCallbacks && !stopping_ && !queue_.empty() &&
+      workersInCallbacks_ >= workers_.size()) {
+    spawnWorkerLocked();
+  }
 }
 
 RingBackend::~RingBackend() {
@@ -74,10 +94,12 @@ void RingBackend::shutdown() {
   ReleaseGilIfHeld noGil;
   std::deque<Entry> dropped;
   bool busy;
+  std::vector<std::thread> workers;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && !worker_.joinable()) return;
+    if (stopping_ && workers_.empty()) return;
     stopping_ = true;
+    workers.swap(workers_);  // a second shutdown() returns here at once
     dropped.swap(queue_);
     // An op whose Work completed may still hold running_ for a moment (its
     // thread is on the way out of runEntry): it needs no abort, and aborting
@@ -100,7 +122,15 @@ void RingBackend::shutdown() {
     std::unique_lock<std::mutex> lock(mu_);
     idleCv_.wait(lock, [this] { return !running_ || tRunningOps; });
   }
-  if (worker_.joinable()) worker_.join();
+  for (auto& t : workers) {
+    // shutdown() from a worker's own Future callback: that worker leaves its
+    // loop once the callback returns (stopping_ is set); it cannot join itself.
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();
+    } else {
+      t.join();
+    }
+  }
   transport_->close();
 }
 
@@ -167,14 +197,19 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
         if (gate->backend != nullptr) gate->backend->runQueuedUntil(w);
       });
       queue_.push_back(std::move(e));
+      ensureWorkerLocked();
       cv_.notify_one();
       return work;
     }
     running_ = true;  // keeps the worker off while this op runs here
     runningConfirmed_.store(false, std::memory_order_relaxed);
   }
-  auto finish = c10::make_scope_exit([this] { finishRunning(); });
-  runEntry(e);
+  std::exception_ptr error;
+  {
+    auto finish = c10::make_scope_exit([this] { finishRunning(); });
+    error = runEntry(e);
+  }
+  settle(e, error);
   return work;
 }
 
@@ -194,7 +229,7 @@ void RingBackend::finishRunning() {
   }
 }
 
-void RingBackend::runEntry(Entry& e) {
+std::exception_ptr RingBackend::runEntry(Entry& e) {
   const bool outer = tRunningOps;
   tRunningOps = true;
   auto restore = c10::make_scope_exit([outer] { tRunningOps = outer; });
@@ -212,15 +247,23 @@ void RingBackend::runEntry(Entry& e) {
     transport_->confirm(e.op);
     runningConfirmed_.store(true, std::memory_order_release);
     stage.afterRun();  // CUDA: the results go back only after a successful op
-    e.work->complete();
-    if (const int64_t ms = testCompleteDelayMs().load(std::memory_order_relaxed)) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-    }
+    return nullptr;
   } catch (const std::exception& err) {
     // A rank that fails mid-op has left the protocol: abort, so its peers
     // fail now instead of at the timeout.
     transport_->abort(e.op.ctx.message(err.what()));
-    e.work->fail(std::current_exception());
+    return std::current_exception();
+  }
+}
+
+void RingBackend::settle(Entry& e, std::exception_ptr error) {
+  if (error) {
+    e.work->fail(error);
+    return;
+  }
+  e.work->complete();
+  if (const int64_t ms = testCompleteDelayMs().load(std::memory_order_relaxed)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   }
 }
 
@@ -239,8 +282,12 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
       running_ = true;  // keeps the worker off, as for an inline op
       runningConfirmed_.store(false, std::memory_order_relaxed);
     }
-    auto finish = c10::make_scope_exit([this] { finishRunning(); });  // also if it throws
-    runEntry(e);
+    std::exception_ptr error;
+    {
+      auto finish = c10::make_scope_exit([this] { finishRunning(); });  // also if it throws
+      error = runEntry(e);
+    }
+    settle(e, error);
     if (e.work.get() == work) return;
   }
 }
@@ -257,8 +304,19 @@ void RingBackend::workerLoop() {
       running_ = true;
       runningConfirmed_.store(false, std::memory_order_relaxed);
     }
-    runEntry(e);
+    const std::exception_ptr error = runEntry(e);
     finishRunning();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++workersInCallbacks_;
+    }
+    tWorkerInCallbacks = true;
+    auto leave = c10::make_scope_exit([this] {
+      tWorkerInCallbacks = false;
+      std::lock_guard<std::mutex> lock(mu_);
+      --workersInCallbacks_;
+    });
+    settle(e, error);
   }
 }
 

@@ -147,7 +147,11 @@ class RingBackend : public c10d::Backend {
                                          c10d::OpType type, std::vector<at::Tensor> outputs,
                                          bool asyncOp, Job run, DeviceStage stage = {},
                                          const std::vector<at::Tensor>& inputs = {});
-  void runEntry(Entry& e);
+  // Runs the op; returns its error (null: it succeeded). Its Work is settled
+  // afterwards, by settle(), once the op has let go of running_: the Work's
+  // Future callbacks may issue and wait for further ops, which then can run.
+  std::exception_ptr runEntry(Entry& e);
+  void settle(Entry& e, std::exception_ptr error);
   // Runs queued ops on the calling thread, in queue order, up to and
   // including `work`'s, while no other thread runs one; returns at once when
   // `work` is not queued, another thread is running an op, or the group is
@@ -160,6 +164,10 @@ class RingBackend : public c10d::Backend {
                                           int tag);
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;
   void workerLoop();
+  // Workers: one at first; another whenever work is queued while every one
+  // is inside a Future's callbacks (which may wait for that work). With mu_.
+  void spawnWorkerLocked();
+  void ensureWorkerLocked();
 
   std::unique_ptr<Transport> transport_;  // per peer: shared memory or TCP (factory.h)
   std::chrono::milliseconds timeout_;
@@ -185,7 +193,8 @@ class RingBackend : public c10d::Backend {
   // Point-to-point and monitored-barrier numbering: any caller thread, no lock.
   std::atomic<uint64_t> p2pSeq_{0};
   std::atomic<uint64_t> monitoredSeq_{0};  // monitored barriers called so far
-  std::thread worker_;
+  std::vector<std::thread> workers_;  // guarded by mu_; taken by shutdown()
+  size_t workersInCallbacks_ = 0;     // guarded by mu_: workers settling a Work
   // What a RingWork's wait() reaches the backend through: it may outlive the
   // backend, so the destructor clears `backend` (under `mu`, which a helping
   // wait() holds while it runs ops) and the Work then just blocks.

@@ -2,10 +2,14 @@
 
 #include <ATen/core/jit_type.h>
 #include <c10/util/Logging.h>
+#include <c10/util/ScopeExit.h>
 
 namespace ringreduce {
 
 namespace {
+
+// The Work whose Future this thread is completing (its callbacks run here).
+thread_local const RingWork* tSettling = nullptr;
 
 std::vector<c10::Device> devicesOf(const DeviceStage& stage) {
   auto device = stage.device();
@@ -88,6 +92,12 @@ std::vector<at::Tensor> RingWork::result() {
 
 bool RingWork::wait(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(doneMu_);
+  if (tSettling == this) {
+    // A callback of this Work's own Future: the op's outcome is settled (the
+    // Future is complete), done_ comes once the callbacks return.
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
   if (timeout == kNoTimeout && !done_ && helper_) {
     lock.unlock();
     helper_(this);
@@ -142,13 +152,16 @@ void RingWork::complete(int sourceRank) {
 
 void RingWork::fail(std::exception_ptr error) {
   endProfiling();
+  {
+    std::lock_guard<std::mutex> lock(doneMu_);
+    error_ = error;  // for a wait() in the Future's callbacks
+  }
   settleFuture([this, &error] {
     if (!future_->completed()) future_->setError(error);
   });
   {
     std::lock_guard<std::mutex> lock(doneMu_);
     done_ = true;
-    error_ = error;
   }
   doneCv_.notify_all();
 }
@@ -161,6 +174,9 @@ void RingWork::fail(std::exception_ptr error) {
 // never be set, leaving wait() blocked. Log it as Python's add_done_callback
 // does; the callbacks after it in the Future's list do not run.
 void RingWork::settleFuture(const std::function<void()>& settle) {
+  const RingWork* outer = tSettling;
+  tSettling = this;
+  auto restore = c10::make_scope_exit([outer] { tSettling = outer; });
   try {
     settle();
   } catch (const std::exception& err) {

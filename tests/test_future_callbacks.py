@@ -1,0 +1,88 @@
+"""A Work's Future callbacks may issue collectives and wait for them.
+
+torch's DDP communication hooks do: PowerSGD's `then` callbacks start an
+all_reduce and wait on its Future. The callbacks of an async op run on the
+thread that completed it (our worker), so that thread must not be the only one
+able to run the next op. Checked against gloo (ctx.oracle) and closed forms.
+"""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def _nested_ops_in_callbacks(ctx, sleeper):
+    """Remote: an async all_reduce whose `then` callback runs three more
+    all_reduces and waits for them three ways (its Future, its Work, a
+    synchronous call), plus a callback that waits on the Work it belongs to.
+    Rank `sleeper` arrives late, so the others attach their callbacks before
+    the op completes (they then run on the thread that completed it)."""
+    rank = ctx.rank
+    if rank == sleeper:
+        time.sleep(0.3)
+    t1 = torch.full((256,), float(rank + 1))
+
+    def inner(fut):
+        t2 = torch.full((64,), float(10 * (rank + 1)))
+        dist.all_reduce(t2, async_op=True).get_future().wait()
+        t3 = torch.full((64,), float(rank + 1))
+        dist.all_reduce(t3, async_op=True).wait()
+        t4 = torch.ones(64)
+        dist.all_reduce(t4)
+        return [fut.value()[0].clone(), t2, t3, t4]
+
+    work = dist.all_reduce(t1, async_op=True)
+    chained = work.get_future().then(inner)
+    own = work.get_future().then(lambda f: work.wait())
+    return chained.wait(), own.wait()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_callbacks_can_issue_and_wait_for_collectives(worlds, size):
+    total = size * (size + 1) / 2
+    for sleeper in range(size):
+        results = worlds.run(size, _nested_ops_in_callbacks, sleeper, timeout=60)
+        for rank, ((t1, t2, t3, t4), own) in enumerate(results):
+            where = f"rank {rank}, rank {sleeper} late"
+            torch.testing.assert_close(t1, torch.full((256,), total), msg=where)
+            torch.testing.assert_close(t2, torch.full((64,), 10 * total), msg=where)
+            torch.testing.assert_close(t3, torch.full((64,), total), msg=where)
+            torch.testing.assert_close(t4, torch.full((64,), float(size)), msg=where)
+            assert own is True, where
+
+
+def _powersgd_training(ctx, group_name):
+    """Remote: 5 DDP steps of a small MLP with torch's PowerSGD hook (rank 1,
+    compressing from step 2) on the group under test or on gloo; the final
+    parameters."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    group = ctx.oracle if group_name == "gloo" else dist.group.WORLD
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8))
+    ddp = DDP(model, process_group=group)
+    state = powerSGD.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                   start_powerSGD_iter=2, min_compression_rate=0.5)
+    ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + ctx.rank)
+    for _ in range(5):
+        x = torch.randn(16, 32, generator=gen)
+        y = torch.randint(0, 8, (16,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_ddp_with_the_powersgd_hook_matches_gloo(worlds):
+    ours = worlds.run(2, _powersgd_training, "under test", timeout=120)
+    oracle = worlds.run(2, _powersgd_training, "gloo", timeout=120)
+    for rank in range(2):
+        for i, (a, b) in enumerate(zip(ours[rank], oracle[rank])):
+            torch.testing.assert_close(a, b, msg=f"rank {rank}, parameter {i}")
+    for a, b in zip(ours[0], ours[1]):
+        assert torch.equal(a, b), "the ranks' parameters differ"
