@@ -653,6 +653,47 @@ def test_a_throwing_future_callback_neither_fails_nor_hangs_the_op(bare_worlds):
             assert f"rank {rank}/2] {op}: a callback" in r["log"], f"rank {rank}: {r['log']}"
 
 
+def _late_peer_after_a_timeout(ctx, shm):
+    """Remote: a 1 s group; rank 1 joins the all_reduce 1.3 s late, after rank
+    0 timed out in it but before rank 0 has followed its wait chain (500 ms)
+    and published its error. Returns how the all_reduce ended on this rank."""
+    previous = os.environ.get("RINGREDUCE_SHM")
+    os.environ["RINGREDUCE_SHM"] = shm
+    try:
+        dist.init_process_group(ctx.backend, store=ctx.new_store(f"late{shm}"), rank=ctx.rank,
+                                world_size=ctx.world_size, timeout=timedelta(seconds=1))
+    finally:
+        if previous is None:
+            os.environ.pop("RINGREDUCE_SHM")
+        else:
+            os.environ["RINGREDUCE_SHM"] = previous
+    if ctx.rank == 1:
+        time.sleep(1.3)
+    try:
+        dist.all_reduce(torch.ones(1024))
+        outcome = "returned"
+    except Exception as err:
+        outcome = str(err)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    return outcome
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="the guarantee is ringreduce's")
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_an_op_a_rank_timed_out_in_fails_on_the_late_peer_too(bare_worlds, shm):
+    """One op, one outcome: the peers learn that a rank abandons an op (the
+    shared-memory flag, TCP's abort frame) before it spends up to a second
+    following the wait chain and publishing its error. A peer that finished
+    its transfers in that second used to confirm the op rank 0 failed."""
+    outcomes = bare_worlds(2).run(_late_peer_after_a_timeout, shm, timeout=60)
+    assert "timed out" in outcomes[0], outcomes
+    assert outcomes[1] != "returned", f"rank 1 completed the op rank 0 failed: {outcomes}"
+    assert "rank 0" in outcomes[1] and "timed out" in outcomes[1], outcomes
+
+
 @pytest.mark.skipif(backend_under_test() != "ringreduce", reason="abort_reason is ringreduce's")
 def test_destroy_after_a_completed_op_does_not_abort_the_group(bare_worlds):
     """The worker completes an op's Work before it lets go of the op: a

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,12 @@ class Mesh {
   // merely has data waiting, which a peer that finished set-up first may send).
   virtual bool hungUp(int peer) = 0;
   virtual void abort(const std::string& reason) = 0;
+  // Called first when this rank fails a collective (failOp, failTimeout),
+  // before the error is looked up or published (which may take a second): a
+  // data path tells its peers the op is abandoned, so none of them confirms
+  // it meanwhile (shared memory raises its segment's abort flag). One hook; an
+  // empty one removes it (its owner's destructor).
+  virtual void setAbandonHook(std::function<void(const OpInfo&)> hook) = 0;
   virtual bool aborted() const = 0;
   virtual std::string abortReason() const = 0;
 

@@ -27,9 +27,16 @@ class ShmTransport : public Transport {
         rank_(members_.me), size_(layout.size), base_(base), seg_(base, layout),
         ringBytes_(layout.ringBytes), streaming_(streaming) {
     shared_ = makeSharedBuffers(mesh_, seg_, members_);
+    // A failing op raises the flag before the mesh looks up and publishes
+    // the error (about a second at worst), so no peer confirms it meanwhile.
+    mesh_.setAbandonHook([this](const OpInfo& op) {
+      raiseAbortFlag(seg_, op.ctx.seq);
+      for (int r = 0; r < size_; ++r) seg_.ring(r);
+    });
   }
 
   ~ShmTransport() override {
+    mesh_.setAbandonHook(nullptr);
     close();
     shared_.reset();
     ::munmap(base_, seg_.layout().total);

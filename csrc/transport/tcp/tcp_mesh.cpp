@@ -43,10 +43,15 @@ void TcpMesh::fail(const OpInfo& op, int peer, const std::string& what, bool tim
   std::string where =
       peer >= 0 ? "with rank " + std::to_string(peer) + " (" + peerAddr_[peer] + "): " : "";
   std::string message = op.ctx.message(where + what);
+  // The peers learn first that this op is abandoned (abort frames, the data
+  // paths' hook): the lookups below may take a second, and a peer that
+  // finished its transfers meanwhile would otherwise confirm the op this rank
+  // fails. They wait for this rank's error to be published before they raise
+  // (awaitPeerError), so their messages still name it.
+  abandon(op, midMessage);
   if (timedOut && peer >= 0) message += waitChain(op, peer);
   // Looked up before this rank publishes its own error, so it finds a peer's.
   const std::string cause = groupCause(message);
-  abandon(op, midMessage);
   abort(message);
   throwTransportError(message + cause + ". The process group is no longer usable.");
 }
@@ -54,8 +59,16 @@ void TcpMesh::fail(const OpInfo& op, int peer, const std::string& what, bool tim
 void TcpMesh::awaitPeerError() {
   if (size_ == 1 || closed_) return;
   try {
-    // The peer publishes right after raising the flag (within kPublishBudget,
-    // or a little later under load), or never: wait no longer than this.
+    // A store that does not answer a quick look will not answer the wait
+    // either (its host stopped): no second spent on it.
+    bool answered = false;
+    if (store_.tryGet(storeBase_ + kAbortKey, Clock::now() + kLookupBudget, &answered) ||
+        !answered) {
+      return;
+    }
+    // The peer publishes once it has followed its wait chain and looked up
+    // the group's first error (up to kWaitChainGrace + kLookupBudget after
+    // its abort frame or flag), or never: wait no longer than this.
     (void)store_.waitFor(storeBase_ + kAbortKey, Clock::now() + kPeerErrorBudget,
                          "looking up a peer's error");
   } catch (const std::exception&) {
@@ -109,7 +122,16 @@ std::string TcpMesh::waitChain(const OpInfo& op, int peer) {
          std::to_string(op.ctx.seq) + " (stopped, hung, or never called it)";
 }
 
+void TcpMesh::setAbandonHook(std::function<void(const OpInfo&)> hook) {
+  std::lock_guard<std::mutex> lock(hookMu_);
+  abandonHook_ = std::move(hook);
+}
+
 void TcpMesh::abandon(const OpInfo& op, const std::vector<int>& midMessage) {
+  if (op.kind != OpKind::kSend) {  // point-to-point has its own numbering
+    std::lock_guard<std::mutex> lock(hookMu_);
+    if (abandonHook_) abandonHook_(op);
+  }
   WireHeader h = messageHeader(op, SendSpec{-1, nullptr, 0, 0});
   h.kind = static_cast<uint8_t>(OpKind::kAbort);
   std::lock_guard<std::mutex> lock(mu_);

@@ -60,6 +60,7 @@ class TcpMesh : public Mesh {
   // The peer's collective connection is at its end (not merely readable).
   bool hungUp(int peer) override;
   void abort(const std::string& reason) override;
+  void setAbandonHook(std::function<void(const OpInfo&)> hook) override;
   bool aborted() const override { return aborted_; }
   std::string abortReason() const override;
   WaitPolicy& waitPolicy() override { return wait_; }
@@ -139,6 +140,8 @@ class TcpMesh : public Mesh {
 
   WaitPolicy wait_;  // spin, yield, sleep: adapts to the machine (thread-safe)
   std::atomic<bool> aborted_{false};
+  std::mutex hookMu_;
+  std::function<void(const OpInfo&)> abandonHook_;  // guarded by hookMu_
   std::atomic<bool> closed_{false};
   std::string abortReason_;  // guarded by mu_
   // Refusals: the last kKeptRefusals lines, the count, and the log's rate

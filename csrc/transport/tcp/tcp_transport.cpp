@@ -178,6 +178,10 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
       }
       for (auto& r : rs) {
         if (r.spec->peer == peer && !progressRecv(pfds[i].fd, op, r, &err)) {
+          if (r.headerDone == sizeof(WireHeader) &&
+              r.header.kind == static_cast<uint8_t>(OpKind::kAbort)) {
+            mesh.awaitPeerError();  // the peer publishes its error after the frame
+          }
           mesh.fail(op, peer,
                     err + " (received " + std::to_string(r.dataDone) + " of " +
                         std::to_string(r.spec->bytes) + " bytes)",
@@ -205,6 +209,7 @@ void TcpTransport::confirm(const OpInfo& op) {
     ssize_t r = ::recv(pfds[i].fd, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
     if (r == static_cast<ssize_t>(sizeof(h)) && h.magic == kWireMagic &&
         h.kind == static_cast<uint8_t>(OpKind::kAbort) && h.seq == op.ctx.seq) {
+      mesh.awaitPeerError();  // the peer publishes its error after the frame
       mesh.fail(op, peerOf[i],
                 "the peer abandoned this op (it timed out or failed in it) after this "
                 "rank's transfers had completed; the op fails on every rank",
