@@ -694,6 +694,44 @@ def test_an_op_a_rank_timed_out_in_fails_on_the_late_peer_too(bare_worlds, shm):
     assert "rank 0" in outcomes[1] and "timed out" in outcomes[1], outcomes
 
 
+def _p2p_around_destroy(ctx):
+    """Remote: rank 0 posts an irecv no one sends, then every rank destroys
+    the group; rank 0 waits on that irecv, and every rank posts a send on
+    the backend it kept. Returns what each wait raised and how long it took."""
+    store = ctx.new_store("p2pdestroy")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    pending = dist.irecv(torch.zeros(8), src=1) if ctx.rank == 0 else None
+    dist.barrier()
+    dist.destroy_process_group()
+    out = {}
+    waits = {"send_after": lambda: backend.send([torch.ones(8)], 1 - ctx.rank, 0).wait()}
+    if pending is not None:
+        waits["pending_recv"] = pending.wait
+    for name, wait in waits.items():
+        start = time.monotonic()
+        try:
+            wait()
+            out[name] = "returned"
+        except Exception as err:
+            out[name] = str(err)
+        out[name + "_s"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="ringreduce's shutdown")
+def test_point_to_point_after_destroy_raises_at_once(bare_worlds):
+    """A send on a backend kept past destroy_process_group used to reach a
+    freed p2p engine (a crash), and an irecv pending at destroy was never
+    completed (its wait() blocked forever)."""
+    for rank, out in enumerate(bare_worlds(2).run(_p2p_around_destroy, timeout=60)):
+        for name in [k for k in out if not k.endswith("_s")]:
+            assert "shut down" in out[name], f"rank {rank} {name}: {out}"
+            assert f"rank {rank}" in out[name], f"rank {rank} {name}: {out}"
+            assert out[name + "_s"] < 5, f"rank {rank} {name}: {out}"
+
+
 @pytest.mark.skipif(backend_under_test() != "ringreduce", reason="abort_reason is ringreduce's")
 def test_destroy_after_a_completed_op_does_not_abort_the_group(bare_worlds):
     """The worker completes an op's Work before it lets go of the op: a

@@ -201,9 +201,16 @@ void TcpMesh::close() {
     char c = 0;
     (void)!::write(wakePipe_[1], &c, 1);
   }
-  if (p2p_) p2p_->stop();
+  if (p2p_) {
+    // The engine stays until the mesh goes: a send or receive posted later
+    // (a backend kept past destroy_process_group, another thread) fails at
+    // once, as do those still pending, instead of reaching a freed engine or
+    // waiting forever.
+    p2p_->stop();
+    p2p_->abort(rankPrefix(rank_, size_) +
+                " the process group was shut down (destroy_process_group)");
+  }
   if (acceptThread_.joinable()) acceptThread_.join();
-  p2p_.reset();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& channel : fds_) {
     for (int& fd : channel) {

@@ -132,6 +132,8 @@ class TcpMesh : public Mesh {
   std::vector<int> fds_[kNumChannels];  // per channel, per peer; -1 for self
   std::vector<std::string> peerAddr_;   // "ip:port" of each peer's listener
   std::thread acceptThread_;
+  // Made by connect(); close() stops its thread and fails what is pending or
+  // posted later, but the engine lives as long as the mesh (p2p() stays valid).
   std::unique_ptr<P2PEngine> p2p_;
 
   // See sendMutex(). Taken after mu_ where both are held.
