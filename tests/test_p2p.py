@@ -45,3 +45,32 @@ def _isend_irecv_both_ways(ctx, count):
 
 def test_isend_irecv_large_both_ways(worlds):
     assert all(worlds.run(4, _isend_irecv_both_ways, 4_000_000))
+
+
+def _tags_overtake(ctx):
+    """Rank 0 sends tags 7, 5, 5, 9 (two of them large) in that order; rank 1
+    receives 5, 9, 5, 7 (9 from any source). Messages of one tag from one
+    sender arrive in order; messages of different tags overtake."""
+    sent = {(7, 0): torch.arange(10, dtype=torch.float32),
+            (5, 0): torch.arange(300_000, dtype=torch.float32),
+            (5, 1): -torch.arange(300_000, dtype=torch.float32),
+            (9, 0): torch.full((3,), 9.0)}
+    if ctx.rank == 0:
+        works = [dist.isend(sent[key], 1, tag=key[0]) for key in sent]
+        for w in works:
+            w.wait()
+        return None
+    got = {}
+    for tag, index, src in ((5, 0, 0), (9, 0, None), (5, 1, 0), (7, 0, 0)):
+        t = torch.empty_like(sent[(tag, index)])
+        source = dist.recv(t, src=src, tag=tag)
+        got[(tag, index)] = (t, source)
+    return [(key, torch.equal(t, sent[key]), source) for key, (t, source) in got.items()]
+
+
+def test_messages_of_different_tags_overtake(worlds):
+    """A message no receive was posted for used to hold up the connection:
+    rank 1's receive of tag 5 timed out behind rank 0's earlier tag 7."""
+    results = worlds.run(2, _tags_overtake, timeout=60)[1]
+    assert [(key, ok, source) for key, ok, source in results] == [
+        ((5, 0), True, 0), ((9, 0), True, 0), ((5, 1), True, 0), ((7, 0), True, 0)], results

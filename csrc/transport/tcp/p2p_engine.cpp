@@ -15,6 +15,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -40,6 +41,7 @@ P2PEngine::P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::
       addrs_(std::move(addrs)),
       sends_(size),
       incoming_(size),
+      buffered_(size),
       sendSeq_(size, 0),
       onFatal_(std::move(onFatal)),
       explain_(std::move(explain)) {
@@ -127,6 +129,7 @@ void P2PEngine::failAll(const std::string& reason, std::vector<Completion>& done
     }
     sends_[peer].clear();
     incoming_[peer] = Incoming{};
+    buffered_[peer].clear();
   }
   for (auto& r : recvs_) {
     done.push_back({std::move(r.cb), {r.peer, transportError(unusable(r.op, reason))}});
@@ -145,7 +148,7 @@ void P2PEngine::fatal(const std::string& reason, std::vector<Completion>& done) 
 
 bool P2PEngine::wantsRead(int peer) const {
   const Incoming& in = incoming_[peer];
-  if (in.headerDone == sizeof(WireHeader)) return in.matched || in.draining;
+  if (in.headerDone == sizeof(WireHeader)) return in.matched || in.draining || in.buffering;
   if (in.headerDone > 0) return true;
   for (const auto& r : recvs_) {
     if (!r.claimed && (r.peer == peer || r.peer == -1)) return true;
@@ -162,18 +165,16 @@ void P2PEngine::matchHeader(int peer, std::vector<Completion>& done) {
           done);
     return;
   }
+  // A receive takes an earlier message of its tag read aside first.
+  matchBuffered(done);
+  bool someoneWaits = false;
   for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
     // A claimed receive already takes another peer's message (any-source
     // receives match whichever header arrives first, and only that one).
-    if (it->claimed || (it->peer != peer && it->peer != -1) || it->tag != h.step) continue;
-    std::string what;
-    if (h.bytes != it->bytes) {
-      what = "byte count mismatch: got " + std::to_string(h.bytes) + ", expected " +
-             std::to_string(it->bytes);
-    } else if (h.dtype != it->op.dtype) {
-      what = "dtype mismatch: the sender sent " +
-             dtypeName(static_cast<c10::ScalarType>(h.dtype));
-    }
+    if (it->claimed || (it->peer != peer && it->peer != -1)) continue;
+    someoneWaits = true;
+    if (it->tag != h.step) continue;
+    const std::string what = disagreement(*it, h);
     if (!what.empty()) {
       done.push_back({std::move(it->cb),
                       {peer, transportError(it->op.ctx.message(
@@ -188,6 +189,47 @@ void P2PEngine::matchHeader(int peer, std::vector<Completion>& done) {
     }
     return;
   }
+  if (someoneWaits) {
+    in.buffering = true;
+    in.aside.resize(h.bytes);
+  }
+}
+
+std::string P2PEngine::disagreement(const Recv& r, const WireHeader& h) {
+  if (h.bytes != r.bytes) {
+    return "byte count mismatch: got " + std::to_string(h.bytes) + ", expected " +
+           std::to_string(r.bytes);
+  }
+  if (h.dtype != r.op.dtype) {
+    return "dtype mismatch: the sender sent " + dtypeName(static_cast<c10::ScalarType>(h.dtype));
+  }
+  return "";
+}
+
+void P2PEngine::matchBuffered(std::vector<Completion>& done) {
+  for (auto it = recvs_.begin(); it != recvs_.end();) {
+    bool taken = false;
+    for (int peer = 0; peer < size_ && !it->claimed && !taken; ++peer) {
+      if (it->peer != peer && it->peer != -1) continue;
+      auto& queue = buffered_[peer];
+      auto msg = std::find_if(queue.begin(), queue.end(),
+                              [&](const Buffered& b) { return b.header.step == it->tag; });
+      if (msg == queue.end()) continue;
+      const std::string what = disagreement(*it, msg->header);
+      if (what.empty()) {
+        std::memcpy(it->data, msg->payload.data(), msg->payload.size());
+        done.push_back({std::move(it->cb), {peer, nullptr}});
+      } else {
+        done.push_back({std::move(it->cb),
+                        {peer, transportError(it->op.ctx.message(
+                                   "from rank " + std::to_string(peer) + " tag " +
+                                   std::to_string(it->tag) + ": " + what))}});
+      }
+      queue.erase(msg);
+      taken = true;
+    }
+    it = taken ? recvs_.erase(it) : std::next(it);
+  }
 }
 
 void P2PEngine::readFrom(int peer, std::vector<Completion>& done) {
@@ -195,19 +237,25 @@ void P2PEngine::readFrom(int peer, std::vector<Completion>& done) {
   char scratch[64 * 1024];
   while (true) {
     bool inHeader = in.headerDone < sizeof(WireHeader);
-    if (!inHeader && !in.matched && !in.draining) return;  // waiting for a matching recv
+    if (!inHeader && !in.matched && !in.draining && !in.buffering) {
+      return;  // waiting for a matching recv
+    }
     size_t remaining = inHeader ? sizeof(WireHeader) - in.headerDone : in.header.bytes - in.dataDone;
     if (!inHeader && remaining == 0) {
       if (in.matched) {
         done.push_back({std::move(in.match->cb), {peer, nullptr}});
         recvs_.erase(in.match);
+      } else if (in.buffering) {
+        buffered_[peer].push_back({in.header, std::move(in.aside)});
       }
       in = Incoming{};
       if (!wantsRead(peer)) return;
       continue;
     }
     char* dst = inHeader ? reinterpret_cast<char*>(&in.header) + in.headerDone
-                         : (in.matched ? in.match->data + in.dataDone : scratch);
+                : in.matched ? in.match->data + in.dataDone
+                : in.buffering ? in.aside.data() + in.dataDone
+                : scratch;
     size_t want = in.draining ? std::min(remaining, sizeof(scratch)) : remaining;
     ssize_t r = ::recv(fds_[peer], dst, want, MSG_DONTWAIT);
     if (r == 0 || (r < 0 && !retryable())) {
@@ -306,6 +354,7 @@ void P2PEngine::loop() {
       if (stopping) failAll("the process group was shut down", done);
       pfds.clear();
       peers.clear();
+      if (!stopping) matchBuffered(done);
       for (int peer = 0; peer < size_ && !stopping; ++peer) {
         if (peer == rank_) continue;
         Incoming& in = incoming_[peer];

@@ -62,12 +62,25 @@ class P2PEngine {
     std::list<Recv>::iterator match;
     bool matched = false;
     bool draining = false;  // the matched recv failed: discard the payload
+    // No receive takes this message, but one for another tag from its sender
+    // waits behind it: read it aside (messages of different tags overtake,
+    // as in MPI and gloo) instead of holding the connection up.
+    bool buffering = false;
+    std::vector<char> aside;
+  };
+  struct Buffered {
+    WireHeader header;
+    std::vector<char> payload;
   };
   using Completion = std::pair<P2PCallback, std::pair<int, std::exception_ptr>>;
 
   void loop();
   bool wantsRead(int peer) const;
   void matchHeader(int peer, std::vector<Completion>& done);
+  // Hands messages read aside to the receives posted for them, oldest first.
+  void matchBuffered(std::vector<Completion>& done);
+  // The error for a message of `h` taken by receive `r`, or "" when they agree.
+  static std::string disagreement(const Recv& r, const WireHeader& h);
   void readFrom(int peer, std::vector<Completion>& done);
   void writeTo(int peer, std::vector<Completion>& done);
   void failAll(const std::string& reason, std::vector<Completion>& done);
@@ -89,6 +102,7 @@ class P2PEngine {
   std::vector<std::deque<Send>> sends_;  // per peer, in post order
   std::list<Recv> recvs_;                // in post order
   std::vector<Incoming> incoming_;       // per peer
+  std::vector<std::deque<Buffered>> buffered_;  // per peer, read aside, in arrival order
   std::vector<uint64_t> sendSeq_;        // per peer message index
   std::string failed_;                   // set once aborted
   std::string fatal_;                    // to report through onFatal_, outside the lock
