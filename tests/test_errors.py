@@ -732,6 +732,56 @@ def test_point_to_point_after_destroy_raises_at_once(bare_worlds):
             assert out[name + "_s"] < 5, f"rank {rank} {name}: {out}"
 
 
+def _destroy_with_an_op_in_flight(ctx, shm):
+    """Remote: rank 0 starts an all_reduce and destroys the group 0.3 s later,
+    before rank 1 has joined it; rank 1 joins at 1 s, when rank 0's data is
+    already in its socket buffer or ring. How the all_reduce ended, per rank."""
+    previous = os.environ.get("RINGREDUCE_SHM")
+    os.environ["RINGREDUCE_SHM"] = shm
+    try:
+        dist.init_process_group(ctx.backend, store=ctx.new_store(f"inflight{shm}"),
+                                rank=ctx.rank, world_size=ctx.world_size,
+                                timeout=ctx.pg_timeout)
+    finally:
+        if previous is None:
+            os.environ.pop("RINGREDUCE_SHM")
+        else:
+            os.environ["RINGREDUCE_SHM"] = previous
+    dist.barrier()
+    t = torch.ones(1024)
+    try:
+        if ctx.rank == 0:
+            work = dist.all_reduce(t, async_op=True)
+            time.sleep(0.3)
+            dist.destroy_process_group()
+            work.wait()
+        else:
+            time.sleep(1.0)
+            dist.all_reduce(t)
+        outcome = "returned"
+    except Exception as err:
+        outcome = str(err)
+    if ctx.rank == 1:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    return outcome
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="the guarantee is ringreduce's")
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_an_op_a_destroy_abandons_fails_on_the_peer_too(bare_worlds, shm):
+    """One op, one outcome when a rank abandons an op outside a failed
+    transfer (destroy_process_group with it running): over TCP the abort frame
+    used to be written only on the failure path, so a peer that found all of
+    rank 0's data already buffered saw a clean EOF and completed the op."""
+    outcomes = bare_worlds(2).run(_destroy_with_an_op_in_flight, shm, timeout=60)
+    assert "shut down" in outcomes[0], outcomes
+    assert outcomes[1] != "returned", f"rank 1 completed the op rank 0 abandoned: {outcomes}"
+    assert "rank 0" in outcomes[1], outcomes
+
+
 @pytest.mark.skipif(backend_under_test() != "ringreduce", reason="abort_reason is ringreduce's")
 def test_destroy_after_a_completed_op_does_not_abort_the_group(bare_worlds):
     """The worker completes an op's Work before it lets go of the op: a

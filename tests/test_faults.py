@@ -766,3 +766,35 @@ def test_p2p_ring_survivors_name_the_killed_rank(tmp_path, backend, repetition):
                              msg), f"rank {o.rank}: {msg!r}"
         detections[o.rank] = round(info["detect_s"], 3)
     print(f"p2p kill detection (s after SIGKILL) by rank: {detections}")
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="ringreduce's set-up")
+def test_a_connect_the_peer_never_answers_ends_at_the_deadline():
+    """A peer address whose host drops the SYN (a firewall; here a listener
+    whose accept queue is full) held a blocking connect() for the kernel's SYN
+    retries, about two minutes, whatever the group's timeout."""
+    from torch_ringreduce import _C
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(8):  # fill the accept queue: later SYNs are dropped
+            filler = socket.socket()
+            filler.setblocking(False)
+            try:
+                filler.connect(("127.0.0.1", port))
+            except BlockingIOError:
+                pass
+            fillers.append(filler)
+        time.sleep(0.2)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"cannot connect to 127\.0\.0\.1:{port}: "
+                                               r"no answer before the deadline"):
+            _C._test_connect(f"127.0.0.1:{port}", 500)
+        assert time.monotonic() - start < 3
+    finally:
+        for s in fillers + [server]:
+            s.close()

@@ -24,6 +24,8 @@ namespace {
 thread_local bool tRunningOps = false;
 // Whether this thread is a worker running a Future's callbacks.
 thread_local bool tWorkerInCallbacks = false;
+// How many Works this thread is settling (nested: a callback's own op).
+thread_local int tSettlingDepth = 0;
 
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
@@ -101,6 +103,7 @@ void RingBackend::shutdown() {
     stopping_ = true;
     workers.swap(workers_);  // a second shutdown() returns here at once
     dropped.swap(queue_);
+    nestedQueued_ = 0;
     // An op whose Work completed may still hold running_ for a moment (its
     // thread is on the way out of runEntry): it needs no abort, and aborting
     // for it would publish a failure on a clean exit.
@@ -183,19 +186,20 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
   stage.seal();
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs), std::move(stage),
                                             inputs);
-  Entry e{std::move(op), effective(opTimeout), work, std::move(run)};
+  Entry e{std::move(op), effective(opTimeout), work, std::move(run), tSettlingDepth > 0};
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {
       work->fail(transportError(e.op.ctx.message("the process group was shut down")));
       return work;
     }
-    if (asyncOp || !queue_.empty() || running_) {
+    if (asyncOp || !queue_.empty() || running_ || !(e.nested || mayRunLocked())) {
       work->setHelper([gate = gate_](RingWork* w) {
         if (tRunningOps) return;
         std::lock_guard<std::mutex> lock(gate->mu);
         if (gate->backend != nullptr) gate->backend->runQueuedUntil(w);
       });
+      if (e.nested) ++nestedQueued_;
       queue_.push_back(std::move(e));
       ensureWorkerLocked();
       cv_.notify_one();
@@ -218,6 +222,10 @@ void RingBackend::finishRunning() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
+    // Its Work is settled next, by this thread (settle() ends it): until
+    // then no other thread starts the next op (mayRunLocked), so Futures
+    // complete in issue order.
+    ++settling_;
     wake = !queue_.empty() || stopping_;
   }
   // Only the worker waits on cv_, and only for queued work: waking it for
@@ -253,10 +261,24 @@ std::exception_ptr RingBackend::runEntry(Entry& e) {
     // fail now instead of at the timeout.
     transport_->abort(e.op.ctx.message(err.what()));
     return std::current_exception();
+  } catch (...) {
+    // Never past here: every run is followed by its settle().
+    transport_->abort(e.op.ctx.message("the op threw a non-standard exception"));
+    return std::current_exception();
   }
 }
 
 void RingBackend::settle(Entry& e, std::exception_ptr error) {
+  ++tSettlingDepth;
+  auto done = c10::make_scope_exit([this] {
+    --tSettlingDepth;
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      wake = --settling_ == 0 && !queue_.empty();
+    }
+    if (wake) cv_.notify_all();  // a worker held back by mayRunLocked()
+  });
   if (error) {
     e.work->fail(error);
     return;
@@ -267,20 +289,26 @@ void RingBackend::settle(Entry& e, std::exception_ptr error) {
   }
 }
 
+RingBackend::Entry RingBackend::popFrontLocked() {
+  Entry e = std::move(queue_.front());
+  queue_.pop_front();
+  if (e.nested) --nestedQueued_;
+  running_ = true;
+  runningConfirmed_.store(false, std::memory_order_relaxed);
+  return e;
+}
+
 void RingBackend::runQueuedUntil(const RingWork* work) {
   while (true) {
     Entry e;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_ || running_) return;
+      if (stopping_ || running_ || !mayRunLocked()) return;
       if (std::none_of(queue_.begin(), queue_.end(),
                        [work](const Entry& q) { return q.work.get() == work; })) {
         return;  // already taken by the worker (running or done)
       }
-      e = std::move(queue_.front());
-      queue_.pop_front();
-      running_ = true;  // keeps the worker off, as for an inline op
-      runningConfirmed_.store(false, std::memory_order_relaxed);
+      e = popFrontLocked();  // running_ keeps the worker off, as for an inline op
     }
     std::exception_ptr error;
     {
@@ -297,12 +325,11 @@ void RingBackend::workerLoop() {
     Entry e;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !running_); });
+      cv_.wait(lock, [this] {
+        return stopping_ || (!queue_.empty() && !running_ && mayRunLocked());
+      });
       if (queue_.empty()) return;
-      e = std::move(queue_.front());
-      queue_.pop_front();
-      running_ = true;
-      runningConfirmed_.store(false, std::memory_order_relaxed);
+      e = popFrontLocked();
     }
     const std::exception_ptr error = runEntry(e);
     finishRunning();

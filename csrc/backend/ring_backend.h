@@ -126,7 +126,15 @@ class RingBackend : public c10d::Backend {
     std::chrono::milliseconds timeout;
     c10::intrusive_ptr<RingWork> work;
     Job run;
+    // Issued from a Future's callbacks (while a Work was being settled): may
+    // run while earlier Works are still being settled.
+    bool nested = false;
   };
+  // Whether a thread may start the queue's front op now (with mu_): only once
+  // every earlier Work has been settled, so Futures complete in issue order,
+  // unless an op a callback issued is queued (the callback may be waiting for
+  // it, and everything queued before it must run first).
+  bool mayRunLocked() const { return settling_ == 0 || nestedQueued_ > 0; }
 
   // The context of the next collective (for validation messages).
   OpContext nextContext(const char* name, TensorDesc tensor) const;
@@ -152,13 +160,16 @@ class RingBackend : public c10d::Backend {
   // Future callbacks may issue and wait for further ops, which then can run.
   std::exception_ptr runEntry(Entry& e);
   void settle(Entry& e, std::exception_ptr error);
+  // Takes the queue's front entry to run it (with mu_): sets running_.
+  Entry popFrontLocked();
   // Runs queued ops on the calling thread, in queue order, up to and
   // including `work`'s, while no other thread runs one; returns at once when
   // `work` is not queued, another thread is running an op, or the group is
   // stopping (RingWork::wait then blocks as before).
   void runQueuedUntil(const RingWork* work);
   // Ends an op's run on any thread (worker, inline, runQueuedUntil): clears
-  // running_; wakes the worker when work is queued behind it, and shutdown().
+  // running_ and counts the op as being settled (its thread calls settle()
+  // next); wakes the worker when work is queued behind it, and shutdown().
   void finishRunning();
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);
@@ -195,6 +206,8 @@ class RingBackend : public c10d::Backend {
   std::atomic<uint64_t> monitoredSeq_{0};  // monitored barriers called so far
   std::vector<std::thread> workers_;  // guarded by mu_; taken by shutdown()
   size_t workersInCallbacks_ = 0;     // guarded by mu_: workers settling a Work
+  size_t settling_ = 0;               // guarded by mu_: Works being settled, any thread
+  size_t nestedQueued_ = 0;           // guarded by mu_: queued entries with `nested`
   // What a RingWork's wait() reaches the backend through: it may outlive the
   // backend, so the destructor clears `backend` (under `mu`, which a helping
   // wait() holds while it runs ops) and the Work then just blocks.

@@ -3,6 +3,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <unistd.h>
+
 #include <utility>
 
 #include "algorithms/algorithms.h"
@@ -11,6 +13,7 @@
 #include "common/env.h"
 #include "transport/cpu_budget.h"
 #include "transport/shm/shm_transport.h"
+#include "transport/tcp/socket.h"
 #include "transport/wait_policy.h"
 #include "kernels/sync_bn.h"
 #include "ops/sync_batch_norm.h"
@@ -137,6 +140,19 @@ PYBIND11_MODULE(_C, m) {
       py::arg("works"),
       "Testing only: the next this-many ops get a C++ callback on their Future that throws "
       "when the op completes; returns the previous value.");
+
+  m.def(
+      "_test_connect",
+      [](const std::string& address, int64_t ms) {
+        sockaddr_in to{};
+        TORCH_CHECK_VALUE(ringreduce::tcp::parseAddress(address, &to), "bad address ", address);
+        const int fd = ringreduce::tcp::connectTo(
+            to, std::chrono::steady_clock::now() + std::chrono::milliseconds(ms));
+        ::close(fd);
+      },
+      py::arg("address"), py::arg("ms"), py::call_guard<py::gil_scoped_release>(),
+      "Testing only: connects to 'host:port' as the mesh's set-up does, giving up after "
+      "`ms` milliseconds (raises RuntimeError), and closes the connection.");
 
   m.def(
       "_cgroup_cpu_limit",

@@ -114,8 +114,12 @@ class RoutedTransport : public Transport {
     if (mixed_) tcp_->confirm(op);
     shm_->confirm(op);
   }
-  // Raises the segment's flag first (one op, one outcome), then aborts the mesh.
-  void abort(const std::string& reason) override { shm_->abort(reason); }
+  // The other hosts' abort frames and the segment's flag first (one op, one
+  // outcome), then the mesh's abort.
+  void abort(const std::string& reason) override {
+    if (mixed_) tcp_->abandonUnconfirmed();
+    shm_->abort(reason);
+  }
   std::string abortReason() const override { return tcp_->abortReason(); }
   void close() override {
     shm_->close();

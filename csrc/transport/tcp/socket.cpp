@@ -147,17 +147,61 @@ int listenOn(const std::string& addr, sockaddr_in* bound) {
   return fd;
 }
 
+namespace {
+
+// One connection attempt that gives up at the deadline: a blocking connect()
+// to a host that drops the SYN (a firewall, a full accept queue) waits for
+// the kernel's SYN retries, about two minutes, whatever the group's timeout.
+// The connected socket (blocking, as before), or -1 with *err set (kNoAnswer:
+// the deadline came first).
+constexpr int kNoAnswer = -1;
+
+int connectOnce(const sockaddr_in& to, Clock::time_point deadline, int* err) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  TORCH_CHECK(fd >= 0, "[ringreduce] socket() failed: ", errnoText());
+  *err = 0;
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0) {
+    *err = errno;
+    while (*err == EINPROGRESS || *err == EINTR) {
+      pollfd pfd{fd, POLLOUT, 0};
+      const int ready = poll(&pfd, 1, millisUntil(deadline));
+      if (ready == 0) {
+        *err = kNoAnswer;
+        break;
+      }
+      if (ready < 0) {
+        *err = errno;  // EINTR: poll again
+        continue;
+      }
+      socklen_t len = sizeof(*err);
+      if (getsockopt(fd, SOL_SOCKET, SO_ERROR, err, &len) != 0) *err = errno;
+      break;
+    }
+  }
+  if (*err != 0) {
+    ::close(fd);
+    return -1;
+  }
+  setNonBlocking(fd, false);
+  return fd;
+}
+
+}  // namespace
+
 int connectTo(const sockaddr_in& to, Clock::time_point deadline) {
   auto backoff = std::chrono::milliseconds(10);
   while (true) {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    TORCH_CHECK(fd >= 0, "[ringreduce] socket() failed: ", errnoText());
-    if (connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) == 0) {
+    int err = 0;
+    const int fd = connectOnce(to, deadline, &err);
+    if (fd >= 0) {
       setNoDelay(fd);
       return fd;
     }
-    int err = errno;
-    ::close(fd);
+    if (err == kNoAnswer) {
+      throw std::runtime_error("cannot connect to " + formatAddress(to) +
+                               ": no answer before the deadline (the host drops the "
+                               "connection request, or a firewall does)");
+    }
     bool retry = err == ECONNREFUSED || err == ETIMEDOUT || err == EINTR || err == EAGAIN;
     if (!retry || Clock::now() + backoff >= deadline) {
       throw std::runtime_error("cannot connect to " + formatAddress(to) + ": " +

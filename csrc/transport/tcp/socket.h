@@ -28,7 +28,8 @@ bool parseAddress(const std::string& text, sockaddr_in* out);
 int listenOn(const std::string& addr, sockaddr_in* bound);
 
 // Connects to `to`, retrying refused connections until the deadline (the peer
-// may not be listening yet). Throws on failure or timeout.
+// may not be listening yet); an attempt the peer never answers ends at the
+// deadline too. Throws on failure or timeout.
 int connectTo(const sockaddr_in& to, Clock::time_point deadline);
 
 void setNonBlocking(int fd, bool on);

@@ -132,6 +132,22 @@ void TcpMesh::abandon(const OpInfo& op, const std::vector<int>& midMessage) {
     std::lock_guard<std::mutex> lock(hookMu_);
     if (abandonHook_) abandonHook_(op);
   }
+  writeAbortFrames(op, midMessage);
+}
+
+void TcpMesh::abandonSeq(uint64_t seq) {
+  OpInfo op;
+  op.ctx.seq = seq;
+  writeAbortFrames(op, {});
+}
+
+void TcpMesh::writeAbortFrames(const OpInfo& op, const std::vector<int>& midMessage) {
+  if (op.kind == OpKind::kSend) return;  // p2p ops are not confirmed through frames
+  // Once per op: fail() writes them, then the transport's abort() would again.
+  uint64_t last = abandonedSeq_.load();
+  do {
+    if (op.ctx.seq <= last) return;
+  } while (!abandonedSeq_.compare_exchange_weak(last, op.ctx.seq));
   WireHeader h = messageHeader(op, SendSpec{-1, nullptr, 0, 0});
   h.kind = static_cast<uint8_t>(OpKind::kAbort);
   std::lock_guard<std::mutex> lock(mu_);

@@ -87,6 +87,11 @@ class TcpMesh : public Mesh {
   [[noreturn]] void fail(const OpInfo& op, int peer, const std::string& what, bool timedOut,
                          const std::vector<int>& midMessage = {});
   P2PEngine& p2p() { return *p2p_; }
+  // Abort frames for collective op #seq to every peer at a message boundary
+  // (the transport's abort() outside fail(): shutdown with an op running,
+  // abort(), an error inside an op), so a peer that finished its transfers
+  // fails that op in confirm() as this rank does.
+  void abandonSeq(uint64_t seq);
   // Stops the threads and closes every connection (idempotent).
   void close();
 
@@ -112,6 +117,8 @@ class TcpMesh : public Mesh {
   // message boundary (not in `midMessage`), so a late peer that completes
   // this op's transfers still fails it in confirm().
   void abandon(const OpInfo& op, const std::vector<int>& midMessage);
+  void writeAbortFrames(const OpInfo& op, const std::vector<int>& midMessage);
+  std::atomic<uint64_t> abandonedSeq_{0};  // the last op frames were written for
 
   StoreCalls store_;
   const int rank_;

@@ -195,6 +195,13 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
 void TcpTransport::confirm(const OpInfo& op) {
   TcpMesh& mesh = *mesh_;
   if (mesh.size() == 1) return;
+  std::lock_guard<std::mutex> lock(confirmMu_);
+  confirmOpen(op);
+  confirmed_ = op.ctx.seq;
+}
+
+void TcpTransport::confirmOpen(const OpInfo& op) {
+  TcpMesh& mesh = *mesh_;
   std::vector<pollfd> pfds;
   std::vector<int> peerOf;
   for (int peer = 0; peer < mesh.size(); ++peer) {
