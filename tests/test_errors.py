@@ -653,31 +653,38 @@ def test_a_throwing_future_callback_neither_fails_nor_hangs_the_op(bare_worlds):
             assert f"rank {rank}/2] {op}: a callback" in r["log"], f"rank {rank}: {r['log']}"
 
 
-def _late_peer_after_a_timeout(ctx, shm):
-    """Remote: a 1 s group; rank 1 joins the all_reduce 1.3 s late, after rank
-    0 timed out in it but before rank 0 has followed its wait chain (500 ms)
-    and published its error. Returns how the all_reduce ended on this rank."""
+def _init_with_shm(ctx, shm, tag, timeout):
+    """The default group with RINGREDUCE_SHM=shm (restored afterwards)."""
     previous = os.environ.get("RINGREDUCE_SHM")
     os.environ["RINGREDUCE_SHM"] = shm
     try:
-        dist.init_process_group(ctx.backend, store=ctx.new_store(f"late{shm}"), rank=ctx.rank,
-                                world_size=ctx.world_size, timeout=timedelta(seconds=1))
+        dist.init_process_group(ctx.backend, store=ctx.new_store(f"{tag}{shm}"), rank=ctx.rank,
+                                world_size=ctx.world_size, timeout=timeout)
     finally:
         if previous is None:
             os.environ.pop("RINGREDUCE_SHM")
         else:
             os.environ["RINGREDUCE_SHM"] = previous
+
+
+def _outcome(call):
+    """'returned', or what the call raised."""
+    try:
+        call()
+        return "returned"
+    except Exception as err:
+        return str(err)
+
+
+def _late_peer_after_a_timeout(ctx, shm):
+    """Remote: a 1 s group; rank 1 joins the all_reduce 1.3 s late, after rank
+    0 timed out in it but before rank 0 has followed its wait chain (500 ms)
+    and published its error. Returns how the all_reduce ended on this rank."""
+    _init_with_shm(ctx, shm, "late", timedelta(seconds=1))
     if ctx.rank == 1:
         time.sleep(1.3)
-    try:
-        dist.all_reduce(torch.ones(1024))
-        outcome = "returned"
-    except Exception as err:
-        outcome = str(err)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    outcome = _outcome(lambda: dist.all_reduce(torch.ones(1024)))
+    _outcome(dist.destroy_process_group)
     return outcome
 
 
@@ -736,36 +743,23 @@ def _destroy_with_an_op_in_flight(ctx, shm):
     """Remote: rank 0 starts an all_reduce and destroys the group 0.3 s later,
     before rank 1 has joined it; rank 1 joins at 1 s, when rank 0's data is
     already in its socket buffer or ring. How the all_reduce ended, per rank."""
-    previous = os.environ.get("RINGREDUCE_SHM")
-    os.environ["RINGREDUCE_SHM"] = shm
-    try:
-        dist.init_process_group(ctx.backend, store=ctx.new_store(f"inflight{shm}"),
-                                rank=ctx.rank, world_size=ctx.world_size,
-                                timeout=ctx.pg_timeout)
-    finally:
-        if previous is None:
-            os.environ.pop("RINGREDUCE_SHM")
-        else:
-            os.environ["RINGREDUCE_SHM"] = previous
+    _init_with_shm(ctx, shm, "inflight", ctx.pg_timeout)
     dist.barrier()
     t = torch.ones(1024)
-    try:
-        if ctx.rank == 0:
-            work = dist.all_reduce(t, async_op=True)
-            time.sleep(0.3)
-            dist.destroy_process_group()
-            work.wait()
-        else:
-            time.sleep(1.0)
-            dist.all_reduce(t)
-        outcome = "returned"
-    except Exception as err:
-        outcome = str(err)
+
+    def rank0():
+        work = dist.all_reduce(t, async_op=True)
+        time.sleep(0.3)
+        dist.destroy_process_group()
+        work.wait()
+
+    def rank1():
+        time.sleep(1.0)
+        dist.all_reduce(t)
+
+    outcome = _outcome(rank0 if ctx.rank == 0 else rank1)
     if ctx.rank == 1:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        _outcome(dist.destroy_process_group)
     return outcome
 
 
