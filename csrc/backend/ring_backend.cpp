@@ -208,20 +208,25 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
     running_ = true;  // keeps the worker off while this op runs here
     runningConfirmed_.store(false, std::memory_order_relaxed);
   }
-  std::exception_ptr error;
-  {
-    auto finish = c10::make_scope_exit([this] { finishRunning(); });
-    error = runEntry(e);
-  }
-  settle(e, error);
+  runAndSettle(e, false);
   return work;
 }
 
-void RingBackend::finishRunning() {
+void RingBackend::runAndSettle(Entry& e, bool onWorker) {
+  std::exception_ptr error;
+  {
+    auto finish = c10::make_scope_exit([this, onWorker] { finishRunning(onWorker); });
+    error = runEntry(e);
+  }
+  settle(e, error, onWorker);
+}
+
+void RingBackend::finishRunning(bool onWorker) {
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
+    if (onWorker) ++workersInCallbacks_;
     // Its Work is settled next, by this thread (settle() ends it): until
     // then no other thread starts the next op (mayRunLocked), so Futures
     // complete in issue order.
@@ -268,13 +273,17 @@ std::exception_ptr RingBackend::runEntry(Entry& e) {
   }
 }
 
-void RingBackend::settle(Entry& e, std::exception_ptr error) {
+void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
   ++tSettlingDepth;
-  auto done = c10::make_scope_exit([this] {
+  const bool outerOnWorker = tWorkerInCallbacks;  // a nested settle keeps it
+  tWorkerInCallbacks = outerOnWorker || onWorker;
+  auto done = c10::make_scope_exit([this, onWorker, outerOnWorker] {
     --tSettlingDepth;
+    tWorkerInCallbacks = outerOnWorker;
     bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (onWorker) --workersInCallbacks_;
       wake = --settling_ == 0 && !queue_.empty();
     }
     if (wake) cv_.notify_all();  // a worker held back by mayRunLocked()
@@ -310,12 +319,7 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
       }
       e = popFrontLocked();  // running_ keeps the worker off, as for an inline op
     }
-    std::exception_ptr error;
-    {
-      auto finish = c10::make_scope_exit([this] { finishRunning(); });  // also if it throws
-      error = runEntry(e);
-    }
-    settle(e, error);
+    runAndSettle(e, false);
     if (e.work.get() == work) return;
   }
 }
@@ -331,19 +335,7 @@ void RingBackend::workerLoop() {
       if (queue_.empty()) return;
       e = popFrontLocked();
     }
-    const std::exception_ptr error = runEntry(e);
-    finishRunning();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++workersInCallbacks_;
-    }
-    tWorkerInCallbacks = true;
-    auto leave = c10::make_scope_exit([this] {
-      tWorkerInCallbacks = false;
-      std::lock_guard<std::mutex> lock(mu_);
-      --workersInCallbacks_;
-    });
-    settle(e, error);
+    runAndSettle(e, true);
   }
 }
 

@@ -159,7 +159,11 @@ class RingBackend : public c10d::Backend {
   // afterwards, by settle(), once the op has let go of running_: the Work's
   // Future callbacks may issue and wait for further ops, which then can run.
   std::exception_ptr runEntry(Entry& e);
-  void settle(Entry& e, std::exception_ptr error);
+  // Completes or fails the Work (its Future's callbacks run here). onWorker:
+  // a worker's, counted in workersInCallbacks_ from finishRunning() on.
+  void settle(Entry& e, std::exception_ptr error, bool onWorker);
+  // runEntry, finishRunning, settle: one op, on any thread.
+  void runAndSettle(Entry& e, bool onWorker);
   // Takes the queue's front entry to run it (with mu_): sets running_.
   Entry popFrontLocked();
   // Runs queued ops on the calling thread, in queue order, up to and
@@ -170,7 +174,7 @@ class RingBackend : public c10d::Backend {
   // Ends an op's run on any thread (worker, inline, runQueuedUntil): clears
   // running_ and counts the op as being settled (its thread calls settle()
   // next); wakes the worker when work is queued behind it, and shutdown().
-  void finishRunning();
+  void finishRunning(bool onWorker);
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;

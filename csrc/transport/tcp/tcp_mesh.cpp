@@ -43,15 +43,22 @@ void TcpMesh::fail(const OpInfo& op, int peer, const std::string& what, bool tim
   std::string where =
       peer >= 0 ? "with rank " + std::to_string(peer) + " (" + peerAddr_[peer] + "): " : "";
   std::string message = op.ctx.message(where + what);
-  // The peers learn first that this op is abandoned (abort frames, the data
-  // paths' hook): the lookups below may take a second, and a peer that
-  // finished its transfers meanwhile would otherwise confirm the op this rank
-  // fails. They wait for this rank's error to be published before they raise
-  // (awaitPeerError), so their messages still name it.
-  abandon(op, midMessage);
-  if (timedOut && peer >= 0) message += waitChain(op, peer);
+  // After a timeout the peers learn first that this op is abandoned (abort
+  // frames, the data paths' hook): following the wait chain may take a
+  // second, and a peer that finished its transfers meanwhile would otherwise
+  // confirm the op this rank fails. They wait for this rank's error to be
+  // published before they raise (awaitPeerError), so their messages still
+  // name it. Other failures (a mismatch, a closed connection) tell them after
+  // the quick lookup below: a peer still in the op then finds its own cause
+  // (the mismatching header) instead of only "another rank aborted".
+  const bool followChain = timedOut && peer >= 0;
+  if (followChain) {
+    abandon(op, midMessage);
+    message += waitChain(op, peer);
+  }
   // Looked up before this rank publishes its own error, so it finds a peer's.
   const std::string cause = groupCause(message);
+  if (!followChain) abandon(op, midMessage);
   abort(message);
   throwTransportError(message + cause + ". The process group is no longer usable.");
 }
@@ -128,26 +135,22 @@ void TcpMesh::setAbandonHook(std::function<void(const OpInfo&)> hook) {
 }
 
 void TcpMesh::abandon(const OpInfo& op, const std::vector<int>& midMessage) {
-  if (op.kind != OpKind::kSend) {  // point-to-point has its own numbering
+  if (op.kind == OpKind::kSend) return;  // point-to-point has its own numbering
+  {
     std::lock_guard<std::mutex> lock(hookMu_);
     if (abandonHook_) abandonHook_(op);
   }
-  writeAbortFrames(op, midMessage);
+  abandonSeq(op.ctx.seq, midMessage);
 }
 
-void TcpMesh::abandonSeq(uint64_t seq) {
-  OpInfo op;
-  op.ctx.seq = seq;
-  writeAbortFrames(op, {});
-}
-
-void TcpMesh::writeAbortFrames(const OpInfo& op, const std::vector<int>& midMessage) {
-  if (op.kind == OpKind::kSend) return;  // p2p ops are not confirmed through frames
+void TcpMesh::abandonSeq(uint64_t seq, const std::vector<int>& midMessage) {
   // Once per op: fail() writes them, then the transport's abort() would again.
   uint64_t last = abandonedSeq_.load();
   do {
-    if (op.ctx.seq <= last) return;
-  } while (!abandonedSeq_.compare_exchange_weak(last, op.ctx.seq));
+    if (seq <= last) return;
+  } while (!abandonedSeq_.compare_exchange_weak(last, seq));
+  OpInfo op;
+  op.ctx.seq = seq;
   WireHeader h = messageHeader(op, SendSpec{-1, nullptr, 0, 0});
   h.kind = static_cast<uint8_t>(OpKind::kAbort);
   std::lock_guard<std::mutex> lock(mu_);

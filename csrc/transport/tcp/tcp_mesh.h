@@ -91,7 +91,7 @@ class TcpMesh : public Mesh {
   // (the transport's abort() outside fail(): shutdown with an op running,
   // abort(), an error inside an op), so a peer that finished its transfers
   // fails that op in confirm() as this rank does.
-  void abandonSeq(uint64_t seq);
+  void abandonSeq(uint64_t seq, const std::vector<int>& midMessage = {});
   // Stops the threads and closes every connection (idempotent).
   void close();
 
@@ -117,7 +117,6 @@ class TcpMesh : public Mesh {
   // message boundary (not in `midMessage`), so a late peer that completes
   // this op's transfers still fails it in confirm().
   void abandon(const OpInfo& op, const std::vector<int>& midMessage);
-  void writeAbortFrames(const OpInfo& op, const std::vector<int>& midMessage);
   std::atomic<uint64_t> abandonedSeq_{0};  // the last op frames were written for
 
   StoreCalls store_;
