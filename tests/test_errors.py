@@ -739,6 +739,67 @@ def test_point_to_point_after_destroy_raises_at_once(bare_worlds):
             assert out[name + "_s"] < 5, f"rank {rank} {name}: {out}"
 
 
+def _destroy_in_a_p2p_callback(ctx, keep_group, round_):
+    """Remote: rank 0's irecv has a `then` callback that destroys the group;
+    rank 1 sends late, so the callback runs on the p2p engine's thread.
+    `keep_group`: rank 0 keeps the backend (and posts a send on it after),
+    else the callback drops the group's last reference. What rank 0's Future
+    gave, the data, the later send's error, and (fds, threads) before and
+    after, for leaks."""
+    before = _resources()
+    store = ctx.new_store(f"p2pcb{keep_group}{round_}")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    out = {}
+    if ctx.rank == 0:
+        kept = dist.group.WORLD._get_backend(CPU) if keep_group else None
+        t = torch.zeros(8)
+        work = dist.irecv(t, src=1)
+
+        def destroy(fut):
+            dist.destroy_process_group()
+            return "destroyed"
+
+        fut = work.get_future().then(destroy)
+        del work
+        out["future"] = fut.wait()
+        out["data"] = t
+        if kept is not None:
+            out["send_after"] = _outcome(lambda: kept.send([torch.ones(8)], 1, 0).wait())
+            del kept
+    else:
+        time.sleep(0.3)
+        dist.send(torch.arange(8, dtype=torch.float32), dst=0)
+        store.wait([f"p2pcb/done{keep_group}{round_}"], timedelta(seconds=30))
+        dist.destroy_process_group()
+    if ctx.rank == 0:
+        store.set(f"p2pcb/done{keep_group}{round_}", "1")
+    del store
+    deadline = time.monotonic() + 5
+    while _resources()[1] > before[1] and time.monotonic() < deadline:
+        time.sleep(0.05)  # a detached p2p thread ends once its callback returns
+    out["resources"] = (before, _resources())
+    return out
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="ringreduce's p2p engine")
+@pytest.mark.parametrize("keep_group", [True, False])
+def test_destroy_in_a_point_to_point_callback(bare_worlds, keep_group):
+    """destroy_process_group() in an irecv's Future callback runs on the p2p
+    engine's thread: stopping the engine joined that thread itself
+    (std::terminate), and dropping the last reference freed the engine under
+    it. Twice, so a leaked thread or descriptor would show."""
+    world = bare_worlds(2)
+    for round_ in range(2):
+        out = world.run(_destroy_in_a_p2p_callback, keep_group, round_, timeout=60)[0]
+        assert out["future"] == "destroyed", out
+        assert torch.equal(out["data"], torch.arange(8, dtype=torch.float32)), out
+        if keep_group:
+            assert "shut down" in out["send_after"] and "rank 0" in out["send_after"], out
+        (fds0, threads0), (fds1, threads1) = out["resources"]
+        assert fds1 <= fds0 + LEAK_SLACK and threads1 <= threads0, out
+
+
 def _destroy_with_an_op_in_flight(ctx, shm):
     """Remote: rank 0 starts an all_reduce and destroys the group 0.3 s later,
     before rank 1 has joined it; rank 1 joins at 1 s, when rank 0's data is

@@ -86,3 +86,57 @@ def test_ddp_with_the_powersgd_hook_matches_gloo(worlds):
             torch.testing.assert_close(a, b, msg=f"rank {rank}, parameter {i}")
     for a, b in zip(ours[0], ours[1]):
         assert torch.equal(a, b), "the ranks' parameters differ"
+
+
+def _p2p_waits_in_p2p_callbacks(ctx):
+    """Remote: rank 0's irecv (tag 1) has a `then` callback that receives a
+    message it posts (tag 2, `dist.recv`), one posted before it (tag 3,
+    `Work.wait`), sends a reply and waits for it, and receives rank 1's answer
+    to the reply. Rank 1 sends late, so the callback runs on the p2p engine's
+    thread, the only one that completed receives. Then plain p2p both ways
+    (the engine has two threads by now) and a barrier."""
+    rank = ctx.rank
+    if rank == 0:
+        got = {tag: torch.zeros(16) for tag in (1, 2, 3, 4)}
+        first = dist.irecv(got[1], src=1, tag=1)
+        early = dist.irecv(got[3], src=1, tag=3)
+
+        def callback(fut):
+            dist.recv(got[2], src=1, tag=2)
+            early.wait()
+            dist.isend(got[1] + got[2] + got[3], dst=1, tag=5).wait()
+            dist.recv(got[4], src=1, tag=4)
+            return "done"
+
+        result = first.get_future().then(callback).wait()
+        after = torch.zeros(16)
+        dist.send(torch.full((16,), 7.0), dst=1, tag=6)
+        dist.recv(after, src=1, tag=7)
+        out = [result, got, after]
+    else:
+        time.sleep(0.3)
+        for tag in (1, 2, 3):
+            dist.send(torch.full((16,), float(tag)), dst=0, tag=tag)
+        reply = torch.zeros(16)
+        dist.recv(reply, src=0, tag=5)
+        dist.send(reply * 10, dst=0, tag=4)
+        seven = torch.zeros(16)
+        dist.recv(seven, src=0, tag=6)
+        dist.send(seven + 1, dst=0, tag=7)
+        out = [reply, seven]
+    dist.barrier()
+    return out
+
+
+def test_point_to_point_callbacks_can_wait_for_point_to_point_ops(worlds):
+    """Point-to-point Works complete on the p2p engine's thread. A callback
+    there that waited for another receive blocked the one thread that
+    completes receives, until the op's timeout."""
+    (result, got, after), (reply, seven) = worlds.run(2, _p2p_waits_in_p2p_callbacks, timeout=60)
+    assert result == "done"
+    for tag in (1, 2, 3):
+        assert torch.equal(got[tag], torch.full((16,), float(tag))), tag
+    assert torch.equal(reply, torch.full((16,), 6.0))
+    assert torch.equal(got[4], torch.full((16,), 60.0))
+    assert torch.equal(seven, torch.full((16,), 7.0))
+    assert torch.equal(after, torch.full((16,), 8.0))

@@ -152,7 +152,7 @@ OpContext RingBackend::nextContext(const char* name, TensorDesc tensor) const {
 
 OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
                            uint64_t total, int32_t root) {
-  traffic_.countOp(name);
+  traffic_->countOp(name);
   OpInfo op;
   std::lock_guard<std::mutex> lock(mu_);
   op.ctx = OpContext{getRank(), getSize(), name, ++seq_,
@@ -252,7 +252,7 @@ std::exception_ptr RingBackend::runEntry(Entry& e) {
   at::NoGradGuard noGrad;
   e.op.timeout = e.timeout;
   e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
-  Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, &traffic_, allreduce_};
+  Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, traffic_.get(), allreduce_};
   DeviceStage& stage = e.work->stage();
   try {
     stage.beforeRun();  // CUDA: the copies to the host are done
@@ -379,7 +379,7 @@ void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
   const auto deadline = Clock::now() + timeout;
   const std::string seq = std::to_string(++monitoredSeq_);
   const std::string what = "monitored_barrier#" + seq;
-  traffic_.countOp("monitored_barrier");
+  traffic_->countOp("monitored_barrier");
   const std::string prefix = rankPrefix(getRank(), getSize()) + " " + what + ": ";
   const std::string ms = std::to_string(timeout.count()) + " ms";
   Mesh& mesh = transport_->mesh();
@@ -447,8 +447,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
   stage.seal();
   stage.beforeRun();
   at::Tensor s = staged(h);  // kept alive by the callback until sent
-  traffic_.countOp("send");
-  Traffic* traffic = &traffic_;  // outlives the callback: shutdown joins the transport
+  traffic_->countOp("send");
+  std::shared_ptr<Traffic> traffic = traffic_;
   transport_->postSend(op, dstRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
                        [work, s, traffic](int, std::exception_ptr err) {
                          if (err) {
@@ -494,8 +494,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
   stage.seal();
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, tensors, std::move(stage));
   at::Tensor s = staged(h);
-  traffic_.countOp("recv");
-  Traffic* traffic = &traffic_;  // outlives the callback: shutdown joins the transport
+  traffic_->countOp("recv");
+  std::shared_ptr<Traffic> traffic = traffic_;
   transport_->postRecv(op, srcRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
                        [work, s, h, traffic](int source, std::exception_ptr err) {
                          if (err) {

@@ -110,8 +110,8 @@ class RingBackend : public c10d::Backend {
   // This rank's traffic on this group since creation or the last reset:
   // payload bytes sent and received, and ops issued by torch.distributed name
   // (transport/traffic.h says what counts).
-  const Traffic& traffic() const { return traffic_; }
-  void resetTraffic() { traffic_.reset(); }
+  const Traffic& traffic() const { return *traffic_; }
+  void resetTraffic() { traffic_->reset(); }
   uint64_t refusedCount() const;
 
  private:
@@ -188,7 +188,10 @@ class RingBackend : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   size_t segmentBytes_;
   AllreduceAlgorithm allreduce_;  // RINGREDUCE_ALLREDUCE, read once
-  Traffic traffic_;  // atomics: updated by the worker, transport threads and callers
+  // Atomics: updated by the worker, transport threads and callers. Shared with
+  // the point-to-point callbacks, which may run after the backend is gone (a
+  // callback before them on the p2p thread destroyed the group).
+  std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();
 
   // Locking: mu_ guards queue_, stopping_, running_ and seq_ (cv_ waits on
   // it). It is never held while an op runs or a store call waits, so a

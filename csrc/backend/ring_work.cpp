@@ -1,5 +1,7 @@
 #include "backend/ring_work.h"
 
+#include "common/wait_hook.h"
+
 #include <ATen/core/jit_type.h>
 #include <c10/util/Logging.h>
 #include <c10/util/ScopeExit.h>
@@ -101,6 +103,11 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
   if (timeout == kNoTimeout && !done_ && helper_) {
     lock.unlock();
     helper_(this);
+    lock.lock();
+  }
+  if (!done_) {
+    lock.unlock();
+    beforeBlocking();  // on a p2p engine thread: another one takes over
     lock.lock();
   }
   if (timeout == kNoTimeout) {

@@ -15,11 +15,14 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <c10/util/Logging.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "common/thread_name.h"
+#include "common/wait_hook.h"
 #include "transport/tcp/socket.h"
 
 namespace ringreduce {
@@ -32,7 +35,20 @@ bool retryable() {
 
 }  // namespace
 
-P2PEngine::P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::string> addrs,
+std::shared_ptr<P2PEngine> P2PEngine::start(
+    int rank, int size, std::vector<int> fds, std::vector<std::string> addrs,
+    std::function<void(const std::string&)> onFatal,
+    std::function<std::string(const std::string&)> explain) {
+  auto engine = std::make_shared<P2PEngine>(Private{}, rank, size, std::move(fds),
+                                            std::move(addrs), std::move(onFatal),
+                                            std::move(explain));
+  std::lock_guard<std::mutex> lock(engine->mu_);
+  engine->spawnLocked();
+  return engine;
+}
+
+P2PEngine::P2PEngine(Private, int rank, int size, std::vector<int> fds,
+                     std::vector<std::string> addrs,
                      std::function<void(const std::string&)> onFatal,
                      std::function<std::string(const std::string&)> explain)
     : rank_(rank),
@@ -47,26 +63,54 @@ P2PEngine::P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::
       explain_(std::move(explain)) {
   TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, rankPrefix(rank, size),
               " pipe2 failed: ", std::strerror(errno));
-  thread_ = std::thread([this] {
+}
+
+void P2PEngine::spawnLocked() {
+  threads_.emplace_back([self = shared_from_this()] {
     nameThisThread("rr-p2p");
-    loop();
+    blockingHook() = {[](void* engine) { static_cast<P2PEngine*>(engine)->beforeBlocking(); },
+                      self.get()};
+    self->loop();
   });
 }
 
+// Every thread owns the engine, so this runs once they have all left loop():
+// on one of them (the last owner), or on the thread that dropped the last
+// reference after stop() joined them.
 P2PEngine::~P2PEngine() {
-  stop();
+  for (auto& t : threads_) {
+    if (!t.joinable()) continue;
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();
+    } else {
+      t.join();
+    }
+  }
+  for (int& fd : wakePipe_) {
+    if (fd >= 0) ::close(fd);
+  }
 }
 
 void P2PEngine::stop() {
+  std::vector<std::thread> threads;
+  std::vector<Completion> done;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    threads.swap(threads_);
+    // Here, not only in the threads: one of them may be in a callback that
+    // waits for a pending op, and this thread may be another one's callback.
+    failAll("the process group was shut down", done);
   }
+  turnCv_.notify_all();
   wake();
-  if (thread_.joinable()) thread_.join();
-  for (int& fd : wakePipe_) {
-    if (fd >= 0) ::close(fd);
-    fd = -1;
+  for (auto& [cb, args] : done) cb(args.first, args.second);
+  for (auto& t : threads) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // a callback stopped its own thread: it ends when it returns
+    } else {
+      t.join();
+    }
   }
 }
 
@@ -340,22 +384,60 @@ void P2PEngine::expire(std::vector<Completion>& done) {
   }
 }
 
+void P2PEngine::deliver(std::vector<Completion>& done, std::string& fatalReason) {
+  if (done.empty() && fatalReason.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++inCallbacks_;
+  }
+  for (auto& [cb, args] : done) cb(args.first, args.second);
+  done.clear();
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping = stopping_;  // a callback may have stopped the engine: the owner may be gone
+  }
+  if (!fatalReason.empty() && onFatal_ && !stopping) onFatal_(fatalReason);
+  fatalReason.clear();
+  std::lock_guard<std::mutex> lock(mu_);
+  --inCallbacks_;
+}
+
+void P2PEngine::beforeBlocking() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_ || inCallbacks_ < threads_.size()) return;
+  try {
+    spawnLocked();
+  } catch (const std::exception& err) {
+    LOG(WARNING) << rankPrefix(rank_, size_) << " could not start another p2p thread for a "
+                 << "callback that waits (" << err.what() << "); the wait may time out";
+  }
+}
+
 void P2PEngine::loop() {
   std::vector<pollfd> pfds;
   std::vector<int> peers;
+  std::vector<Completion> done;
+  std::string fatalReason;
   while (true) {
-    std::vector<Completion> done;
-    std::string fatalReason;
-    bool stopping;
     int timeoutMs = -1;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping = stopping_;
-      if (stopping) failAll("the process group was shut down", done);
+      std::unique_lock<std::mutex> lock(mu_);
+      // One thread polls at a time; another started for a callback that
+      // blocked waits here for its turn.
+      ++waiting_;
+      turnCv_.wait(lock, [this] { return !polling_ || stopping_; });
+      --waiting_;
+      if (stopping_) {
+        failAll("the process group was shut down", done);
+        lock.unlock();
+        deliver(done, fatalReason);
+        return;
+      }
       pfds.clear();
       peers.clear();
-      if (!stopping) matchBuffered(done);
-      for (int peer = 0; peer < size_ && !stopping; ++peer) {
+      matchBuffered(done);
+      for (int peer = 0; peer < size_; ++peer) {
         if (peer == rank_) continue;
         Incoming& in = incoming_[peer];
         if (in.headerDone == sizeof(WireHeader) && !in.matched && !in.draining) {
@@ -372,10 +454,12 @@ void P2PEngine::loop() {
       for (auto& r : recvs_) earliest = std::min(earliest, r.op.deadline);
       if (earliest != Clock::time_point::max()) timeoutMs = millisUntil(earliest) + 1;
       std::swap(fatalReason, fatal_);
+      polling_ = done.empty() && fatalReason.empty();
     }
-    for (auto& [cb, args] : done) cb(args.first, args.second);
-    if (!fatalReason.empty() && onFatal_) onFatal_(fatalReason);
-    if (stopping) return;
+    if (!done.empty() || !fatalReason.empty()) {
+      deliver(done, fatalReason);
+      continue;
+    }
     pfds.push_back({wakePipe_[0], POLLIN, 0});
     poll(pfds.data(), pfds.size(), timeoutMs);
     if (pfds.back().revents != 0) {
@@ -383,19 +467,21 @@ void P2PEngine::loop() {
       while (::read(wakePipe_[0], buf, sizeof(buf)) > 0) {
       }
     }
-    done.clear();
+    bool handOff;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i + 1 < pfds.size() && failed_.empty(); ++i) {
+      polling_ = false;
+      handOff = waiting_ > 0;
+      for (size_t i = 0; i + 1 < pfds.size() && failed_.empty() && !stopping_; ++i) {
         if (pfds[i].revents == 0) continue;
         if (!sends_[peers[i]].empty()) writeTo(peers[i], done);
         if (wantsRead(peers[i])) readFrom(peers[i], done);
       }
-      if (failed_.empty()) expire(done);
+      if (failed_.empty() && !stopping_) expire(done);
       std::swap(fatalReason, fatal_);
     }
-    for (auto& [cb, args] : done) cb(args.first, args.second);
-    if (!fatalReason.empty() && onFatal_) onFatal_(fatalReason);
+    if (handOff) turnCv_.notify_one();
+    deliver(done, fatalReason);
   }
 }
 

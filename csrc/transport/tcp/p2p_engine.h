@@ -1,12 +1,21 @@
 // Point-to-point progress engine: one thread drives send/recv/recvAnysource on
 // the p2p connections, independent of the collective order (as gloo does), so
 // isend/irecv pairs never deadlock on socket buffers.
+//
+// The completions (and so the Works' Future callbacks) run on an engine
+// thread. A Work.wait() in such a callback, with every engine thread in
+// callbacks, starts one more thread (common/wait_hook.h), which polls while
+// the first is blocked: a callback may wait for another p2p op. Each thread
+// owns the engine (a shared_ptr): a callback may destroy the process group,
+// stopping the engine from its own thread, and drop the engine's last other
+// owner.
 #pragma once
 
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <list>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -17,14 +26,21 @@
 namespace ringreduce {
 namespace tcp {
 
-class P2PEngine {
+class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
+  struct Private {};
+
  public:
   // fds: one connected socket per peer (-1 for self); addrs: for messages.
   // onFatal runs (on the engine thread, no lock held) when a connection breaks,
   // so the owner can abort the whole transport. explain(reason) returns what
   // to append to a broken connection's error (the group's first error, looked
-  // up with a short deadline), so a rank far from the failure names it.
-  P2PEngine(int rank, int size, std::vector<int> fds, std::vector<std::string> addrs,
+  // up with a short deadline), so a rank far from the failure names it. Both
+  // run only until stop(): the owner may be gone after it.
+  static std::shared_ptr<P2PEngine> start(int rank, int size, std::vector<int> fds,
+                                          std::vector<std::string> addrs,
+                                          std::function<void(const std::string&)> onFatal,
+                                          std::function<std::string(const std::string&)> explain);
+  P2PEngine(Private, int rank, int size, std::vector<int> fds, std::vector<std::string> addrs,
             std::function<void(const std::string&)> onFatal,
             std::function<std::string(const std::string&)> explain);
   ~P2PEngine();
@@ -35,6 +51,8 @@ class P2PEngine {
                 P2PCallback done);
   // Fails everything pending and later with `reason`.
   void abort(const std::string& reason);
+  // Ends the threads: joins them, but for the calling one (a callback's
+  // destroy_process_group), which ends once its callbacks return.
   void stop();
 
  private:
@@ -75,6 +93,13 @@ class P2PEngine {
   using Completion = std::pair<P2PCallback, std::pair<int, std::exception_ptr>>;
 
   void loop();
+  // Starts one more thread running loop(); mu_ held.
+  void spawnLocked();
+  // Runs completions, then onFatal_ unless stop() came meanwhile; no lock held.
+  void deliver(std::vector<Completion>& done, std::string& fatalReason);
+  // A wait on an engine thread is about to block (common/wait_hook.h): starts
+  // another thread if every one is running completions.
+  void beforeBlocking();
   bool wantsRead(int peer) const;
   void matchHeader(int peer, std::vector<Completion>& done);
   // Hands messages read aside to the receives posted for them, oldest first.
@@ -94,10 +119,11 @@ class P2PEngine {
   const std::vector<std::string> addrs_;
   int wakePipe_[2] = {-1, -1};
 
-  // Locking: mu_ guards everything from sends_ to stopping_. The poll thread
-  // holds it while it reads and writes sockets (the helpers above that take
-  // `done` run with it held) and drops it to run completions; the callers'
-  // post/abort/stop take it briefly. Completions and onFatal_ run outside it.
+  // Locking: mu_ guards everything from sends_ to inCallbacks_. An engine
+  // thread holds it while it reads and writes sockets (the helpers above that
+  // take `done` run with it held) and drops it to poll and to run completions;
+  // the callers' post/abort/stop take it briefly. Completions and onFatal_ run
+  // outside it. The wake pipe is closed by the destructor, after every thread.
   std::mutex mu_;
   std::vector<std::deque<Send>> sends_;  // per peer, in post order
   std::list<Recv> recvs_;                // in post order
@@ -109,7 +135,11 @@ class P2PEngine {
   std::function<void(const std::string&)> onFatal_;
   std::function<std::string(const std::string&)> explain_;
   bool stopping_ = false;
-  std::thread thread_;
+  std::vector<std::thread> threads_;  // each runs loop() and owns the engine
+  size_t inCallbacks_ = 0;            // threads running completions
+  bool polling_ = false;              // a thread polls (or reads and writes)
+  size_t waiting_ = 0;                // threads waiting for their turn to poll
+  std::condition_variable turnCv_;
 };
 
 }  // namespace tcp

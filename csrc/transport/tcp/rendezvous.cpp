@@ -154,7 +154,7 @@ void TcpMesh::connectMesh(std::chrono::milliseconds timeout) {
                 " (did every rank call init_process_group / new_group?)");
     // Inside the try: an engine that cannot start (no fd for its pipe, no
     // thread) must not leave the accept thread running (std::terminate).
-    p2p_ = std::make_unique<P2PEngine>(
+    p2p_ = P2PEngine::start(
         rank_, size_, fds_[kP2P], peerAddr_, [this](const std::string& why) { abort(why); },
         [this](const std::string& why) { return groupCause(why); });
   } catch (...) {

@@ -140,7 +140,7 @@ class TcpMesh : public Mesh {
   std::thread acceptThread_;
   // Made by connect(); close() stops its thread and fails what is pending or
   // posted later, but the engine lives as long as the mesh (p2p() stays valid).
-  std::unique_ptr<P2PEngine> p2p_;
+  std::shared_ptr<P2PEngine> p2p_;  // its threads own it too
 
   // See sendMutex(). Taken after mu_ where both are held.
   std::mutex sendMu_;

@@ -1,0 +1,28 @@
+// What a blocking wait calls first, on a thread that alone makes some
+// transfers progress.
+//
+// The p2p engine's threads complete point-to-point Works and so run their
+// Futures' callbacks. A callback that waits for another point-to-point Work
+// would block the one thread that can complete it. The engine sets this hook
+// on its threads; RingWork::wait() calls it before it blocks, and the engine
+// then starts another thread if every one of its threads is in callbacks.
+#pragma once
+
+namespace ringreduce {
+
+struct BlockingHook {
+  void (*fn)(void*) = nullptr;
+  void* arg = nullptr;
+};
+
+inline BlockingHook& blockingHook() {
+  thread_local BlockingHook hook;
+  return hook;
+}
+
+inline void beforeBlocking() {
+  const BlockingHook& hook = blockingHook();
+  if (hook.fn != nullptr) hook.fn(hook.arg);
+}
+
+}  // namespace ringreduce
