@@ -739,61 +739,89 @@ def test_point_to_point_after_destroy_raises_at_once(bare_worlds):
             assert out[name + "_s"] < 5, f"rank {rank} {name}: {out}"
 
 
-def _destroy_in_a_p2p_callback(ctx, keep_group, round_):
-    """Remote: rank 0's irecv has a `then` callback that destroys the group;
-    rank 1 sends late, so the callback runs on the p2p engine's thread.
-    `keep_group`: rank 0 keeps the backend (and posts a send on it after),
-    else the callback drops the group's last reference. What rank 0's Future
-    gave, the data, the later send's error, and (fds, threads) before and
-    after, for leaks."""
+def _destroy_in_a_callback(ctx, kind, keep_group, round_):
+    """Remote: rank 0 destroys the group in a `then` callback of an op whose
+    peer (rank 1) is late, so the callback runs on one of our threads:
+    kind "recv": an irecv's, on the p2p engine's thread; "all_reduce": an
+    async all_reduce's, on the worker; "nested": that callback's own
+    all_reduce, waited for in it, so its callback runs in a helping wait() on
+    the worker. `keep_group`: rank 0 keeps the backend (and posts a send on it
+    after), else the callback drops the group's last reference. What rank 0's
+    Future gave, the data, the later send's error, and (fds, threads) before
+    and after, for leaks."""
     before = _resources()
-    store = ctx.new_store(f"p2pcb{keep_group}{round_}")
+    name = f"destroycb{kind}{keep_group}{round_}"
+    store = ctx.new_store(name)
     dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
                             world_size=ctx.world_size, timeout=ctx.pg_timeout)
     out = {}
+    first, second = torch.full((8,), ctx.rank + 1.0), torch.full((8,), 10.0 * (ctx.rank + 1))
+
+    def destroy(fut):
+        dist.destroy_process_group()
+        return "destroyed"
+
     if ctx.rank == 0:
         kept = dist.group.WORLD._get_backend(CPU) if keep_group else None
-        t = torch.zeros(8)
-        work = dist.irecv(t, src=1)
+        if kind == "recv":
+            work = dist.irecv(first, src=1)
+            fut = work.get_future().then(destroy)
+        elif kind == "all_reduce":
+            work = dist.all_reduce(first, async_op=True)
+            fut = work.get_future().then(destroy)
+        else:
+            def nested(f):
+                inner = dist.all_reduce(second, async_op=True)
+                done = inner.get_future().then(destroy)
+                inner.wait()
+                return done.wait()
 
-        def destroy(fut):
-            dist.destroy_process_group()
-            return "destroyed"
-
-        fut = work.get_future().then(destroy)
+            work = dist.all_reduce(first, async_op=True)
+            fut = work.get_future().then(nested)
         del work
         out["future"] = fut.wait()
-        out["data"] = t
+        out["data"] = [first, second]
         if kept is not None:
             out["send_after"] = _outcome(lambda: kept.send([torch.ones(8)], 1, 0).wait())
             del kept
+        store.set(f"{name}/done", "1")
     else:
         time.sleep(0.3)
-        dist.send(torch.arange(8, dtype=torch.float32), dst=0)
-        store.wait([f"p2pcb/done{keep_group}{round_}"], timedelta(seconds=30))
+        if kind == "recv":
+            dist.send(torch.arange(8, dtype=torch.float32), dst=0)
+        else:
+            dist.all_reduce(first)
+            if kind == "nested":
+                dist.all_reduce(second)
+        store.wait([f"{name}/done"], timedelta(seconds=30))
         dist.destroy_process_group()
-    if ctx.rank == 0:
-        store.set(f"p2pcb/done{keep_group}{round_}", "1")
     del store
     deadline = time.monotonic() + 5
     while _resources()[1] > before[1] and time.monotonic() < deadline:
-        time.sleep(0.05)  # a detached p2p thread ends once its callback returns
+        time.sleep(0.05)  # a detached thread ends once its callback returns
     out["resources"] = (before, _resources())
     return out
 
 
-@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="ringreduce's p2p engine")
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="ringreduce's threads")
 @pytest.mark.parametrize("keep_group", [True, False])
-def test_destroy_in_a_point_to_point_callback(bare_worlds, keep_group):
-    """destroy_process_group() in an irecv's Future callback runs on the p2p
-    engine's thread: stopping the engine joined that thread itself
-    (std::terminate), and dropping the last reference freed the engine under
-    it. Twice, so a leaked thread or descriptor would show."""
+@pytest.mark.parametrize("kind", ["recv", "all_reduce", "nested"])
+def test_destroy_in_a_future_callback(bare_worlds, kind, keep_group):
+    """destroy_process_group() in a Future callback that runs on one of our
+    threads. On the p2p engine's thread, stopping the engine joined that
+    thread itself (std::terminate), and dropping the last reference freed the
+    engine under it. In a helping wait(), the backend's destructor took the
+    lock that wait held (a hang). Twice, so a leaked thread or descriptor
+    would show."""
     world = bare_worlds(2)
+    expected = {"recv": [torch.arange(8, dtype=torch.float32), torch.full((8,), 10.0)],
+                "all_reduce": [torch.full((8,), 3.0), torch.full((8,), 10.0)],
+                "nested": [torch.full((8,), 3.0), torch.full((8,), 30.0)]}[kind]
     for round_ in range(2):
-        out = world.run(_destroy_in_a_p2p_callback, keep_group, round_, timeout=60)[0]
+        out = world.run(_destroy_in_a_callback, kind, keep_group, round_, timeout=60)[0]
         assert out["future"] == "destroyed", out
-        assert torch.equal(out["data"], torch.arange(8, dtype=torch.float32)), out
+        for got, want in zip(out["data"], expected):
+            assert torch.equal(got, want), out
         if keep_group:
             assert "shut down" in out["send_after"] and "rank 0" in out["send_after"], out
         (fds0, threads0), (fds1, threads1) = out["resources"]

@@ -59,9 +59,22 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   // Shared memory with the ranks on this host, TCP with the others; the TCP
   // mesh underneath carries point-to-point and spreads failures.
   transport_ = connectGroup(store, rank, size, timeout);
-  gate_->backend = this;
   std::lock_guard<std::mutex> lock(mu_);
   spawnWorkerLocked();
+}
+
+c10::intrusive_ptr<RingBackend> RingBackend::create(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int size,
+                                                    std::chrono::milliseconds timeout) {
+  auto backend = c10::make_intrusive<RingBackend>(store, rank, size, timeout);
+  std::lock_guard<std::mutex> lock(backend->gate_->mu);
+  backend->gate_->self = c10::weak_intrusive_ptr<RingBackend>(backend);
+  return backend;
+}
+
+c10::weak_intrusive_ptr<RingBackend> RingBackend::weakSelf() const {
+  std::lock_guard<std::mutex> lock(gate_->mu);
+  return gate_->self;
 }
 
 void RingBackend::spawnWorkerLocked() {
@@ -86,8 +99,12 @@ void RingBackend::ensureWorkerLocked() {
 
 RingBackend::~RingBackend() {
   shutdown();
-  std::lock_guard<std::mutex> lock(gate_->mu);  // waits for a helping wait() to leave
-  gate_->backend = nullptr;
+}
+
+void RingBackend::release_resources() {
+  shutdown();
+  std::lock_guard<std::mutex> lock(gate_->mu);
+  gate_->self = c10::weak_intrusive_ptr<RingBackend>(c10::intrusive_ptr<RingBackend>());
 }
 
 void RingBackend::shutdown() {
@@ -196,8 +213,14 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
     if (asyncOp || !queue_.empty() || running_ || !(e.nested || mayRunLocked())) {
       work->setHelper([gate = gate_](RingWork* w) {
         if (tRunningOps) return;
-        std::lock_guard<std::mutex> lock(gate->mu);
-        if (gate->backend != nullptr) gate->backend->runQueuedUntil(w);
+        c10::intrusive_ptr<RingBackend> self;
+        {
+          std::lock_guard<std::mutex> lock(gate->mu);
+          self = gate->self.lock();
+        }
+        // Dropping `self` may shut the backend down here (a callback dropped
+        // its last other reference); nothing after touches it.
+        if (self) self->runQueuedUntil(w);
       });
       if (e.nested) ++nestedQueued_;
       queue_.push_back(std::move(e));
@@ -335,7 +358,18 @@ void RingBackend::workerLoop() {
       if (queue_.empty()) return;
       e = popFrontLocked();
     }
+    // A strong reference for the op and its callbacks (one may drop the last
+    // other one), a weak one for after it: when dropping `self` shuts the
+    // backend down on this thread, `weak` keeps the object until this loop has
+    // left it. Null for a backend not made by create() (the old way: the
+    // thread dropping the last reference joins this one).
+    c10::weak_intrusive_ptr<RingBackend> weak = weakSelf();
+    c10::intrusive_ptr<RingBackend> self = weak.lock();
+    const bool held = self.defined();
     runAndSettle(e, true);
+    e = Entry{};
+    self.reset();
+    if (held && weak.expired()) return;
   }
 }
 

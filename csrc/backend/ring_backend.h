@@ -34,9 +34,18 @@ std::atomic<int64_t>& testCompleteDelayMs();
 
 class RingBackend : public c10d::Backend {
  public:
+  // Use create(): the threads that run ops and their Futures' callbacks hold
+  // the backend through a weak reference it sets up.
   RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
               std::chrono::milliseconds timeout);
+  static c10::intrusive_ptr<RingBackend> create(const c10::intrusive_ptr<c10d::Store>& store,
+                                                int rank, int size,
+                                                std::chrono::milliseconds timeout);
   ~RingBackend() override;
+  // The last strong reference is gone: shut down now. The object itself goes
+  // with the last weak one (a worker or a helping wait() that was running a
+  // callback which dropped that reference).
+  void release_resources() override;
 
   const std::string getBackendName() const override { return "ringreduce"; }
 
@@ -215,15 +224,21 @@ class RingBackend : public c10d::Backend {
   size_t workersInCallbacks_ = 0;     // guarded by mu_: workers settling a Work
   size_t settling_ = 0;               // guarded by mu_: Works being settled, any thread
   size_t nestedQueued_ = 0;           // guarded by mu_: queued entries with `nested`
-  // What a RingWork's wait() reaches the backend through: it may outlive the
-  // backend, so the destructor clears `backend` (under `mu`, which a helping
-  // wait() holds while it runs ops) and the Work then just blocks.
-  struct HelpGate {
-    std::mutex mu;
-    RingBackend* backend = nullptr;
-  };
+  // What a RingWork's wait() and the workers reach the backend through. A
+  // Work may outlive the backend; and a Future callback run by a worker or a
+  // helping wait() may drop the backend's last reference (destroy_process_group
+  // in a callback). So they take a strong reference from `self` for the op
+  // and its callbacks, and the backend shuts down on the thread that drops the
+  // last one (release_resources clears `self`, ending the cycle through gate_).
+  struct HelpGate;  // below: it names this class
+  c10::weak_intrusive_ptr<RingBackend> weakSelf() const;
   std::shared_ptr<HelpGate> gate_ = std::make_shared<HelpGate>();
   std::condition_variable idleCv_;  // shutdown() waits on it (with mu_) for !running_
+};
+
+struct RingBackend::HelpGate {
+  std::mutex mu;  // guards self
+  c10::weak_intrusive_ptr<RingBackend> self{c10::intrusive_ptr<RingBackend>()};
 };
 
 }  // namespace ringreduce

@@ -29,7 +29,7 @@ PYBIND11_MODULE(_C, m) {
       m, "RingBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout) {
-             return c10::make_intrusive<ringreduce::RingBackend>(store, rank, size, timeout);
+             return ringreduce::RingBackend::create(store, rank, size, timeout);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
