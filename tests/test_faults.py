@@ -554,6 +554,42 @@ def test_gather_root_only_error_reaches_every_rank(pool):
         assert problem in err["msg"], f"rank {rank} does not carry the root's problem: {err}"
 
 
+def _rooted_op_expanded(ctx, op):
+    """Every rank passes the same expanded tensor to a broadcast or reduce
+    rooted at rank 0: writable enough on the ranks that only read it (a
+    broadcast's root, a reduce's non-roots), not on those the op writes."""
+    group, _ = _new_group()
+    t = torch.ones(1).expand(4)
+    started = time.monotonic()
+    try:
+        if op == "broadcast":
+            dist.broadcast(t, src=0, group=group)
+        else:
+            dist.reduce(t, dst=0, group=group)
+        return {"error": None}
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        return {"error": error_info(err, started)}
+
+
+@pytest.mark.parametrize("op,rejecting", [("broadcast", [1, 2]), ("reduce", [0])])
+def test_a_rooted_op_rejected_by_one_role_fails_every_rank(pool, op, rejecting):
+    """Checks that depend on a rank's role (what the op writes) pass on the
+    other ranks, which are then in the op: they used to wait for the group's
+    timeout, then blame a rank that "made no progress"."""
+    results = pool.run(3, _rooted_op_expanded, op, timeout=RUN_TIMEOUT_S)
+    problem = "overlap in memory"
+    for rank, res in enumerate(results):
+        err = res["error"]
+        assert err is not None, f"rank {rank}: {op} of an expanded tensor succeeded"
+        assert err["elapsed_s"] < MISMATCH_DETECT_S, err
+        assert problem in err["msg"], f"rank {rank} does not carry the problem: {err}"
+        if rank in rejecting:
+            assert err["is_value_error"], err
+        else:
+            assert err["is_dist_backend_error"], f"rank {rank}: {err['type']}: {err['msg']}"
+            assert "rejected its arguments" in err["msg"], err
+
+
 # --------------------------------------------------------------------------
 # 6. Denial of service
 # --------------------------------------------------------------------------

@@ -97,7 +97,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
   RR_CHECK_VALUE(opts.rootTensor == 0, ctx, "rootTensor must be 0, got ", opts.rootTensor);
   int root = static_cast<int>(opts.rootRank);
-  if (getRank() != root) checkWritable(ctx, t, "input");
+  if (getRank() != root) roleChecks(ctx, root, [&] { checkWritable(ctx, t, "input"); });
   OpInfo op = makeOp(OpKind::kBroadcast, "broadcast", t, kNoReduceOp, t.numel(), root);
   DeviceStage stage = DeviceStage::begin(ctx, tensors);
   at::Tensor h = getRank() == root ? stage.in(t) : stage.out(t);
@@ -117,7 +117,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tens
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
   ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
   int root = static_cast<int>(opts.rootRank);
-  if (getRank() == root) checkWritable(ctx, t, "input");
+  if (getRank() == root) roleChecks(ctx, root, [&] { checkWritable(ctx, t, "input"); });
   OpInfo op = makeOp(OpKind::kReduce, "reduce", t, wireOp(opts.reduceOp), t.numel(), root);
   auto reduceOp = opts.reduceOp;
   DeviceStage stage = DeviceStage::begin(ctx, tensors);
@@ -246,7 +246,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
   if (getRank() == root) {
     // Only the root sees these: a problem here fails the whole group (the
     // other ranks are already in the op) with the root's message.
-    rootOnlyChecks(ctx, [&] {
+    roleChecks(ctx, root, [&] {
       RR_CHECK_VALUE(outputs.size() == 1, ctx, "the root needs one output list, got ",
                      outputs.size());
       checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
@@ -254,8 +254,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
     });
     outs = outputs[0];
   } else {
-    RR_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), ctx,
-                   "only the root (rank ", root, ") takes output tensors");
+    roleChecks(ctx, root, [&] {
+      RR_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), ctx,
+                     "only the root (rank ", root, ") takes output tensors");
+    });
   }
   OpInfo op = makeOp(OpKind::kGather, "gather", in, kNoReduceOp, in.numel(), root);
   std::vector<at::Tensor> all = outs;
@@ -291,15 +293,17 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& out
   int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> ins;
   if (getRank() == root) {
-    rootOnlyChecks(ctx, [&] {
+    roleChecks(ctx, root, [&] {
       RR_CHECK_VALUE(inputs.size() == 1, ctx, "the root needs one input list, got ",
                      inputs.size());
       checkList(ctx, inputs[0], getSize(), out.scalar_type(), out.numel(), "input");
     });
     ins = inputs[0];
   } else {
-    RR_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), ctx,
-                   "only the root (rank ", root, ") takes input tensors");
+    roleChecks(ctx, root, [&] {
+      RR_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), ctx,
+                     "only the root (rank ", root, ") takes input tensors");
+    });
   }
   OpInfo op = makeOp(OpKind::kScatter, "scatter", out, kNoReduceOp, out.numel(), root);
   std::vector<at::Tensor> all = ins;

@@ -182,14 +182,16 @@ OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, u
   return op;
 }
 
-void RingBackend::rootOnlyChecks(const OpContext& ctx, const std::function<void()>& checks) {
+void RingBackend::roleChecks(const OpContext& ctx, int root,
+                             const std::function<void()>& checks) {
   try {
     checks();
   } catch (const c10::Error& err) {
     if (getSize() > 1) {
-      transport_->abort(std::string(err.what_without_backtrace()) +
-                        " (the root rejected its arguments; its peers cannot finish " +
-                        ctx.op + "#" + std::to_string(ctx.seq) + ")");
+      const std::string who = getRank() == root ? "the root" : "rank " + std::to_string(getRank());
+      transport_->abort(std::string(err.what_without_backtrace()) + " (" + who +
+                        " rejected its arguments; its peers cannot finish " + ctx.op + "#" +
+                        std::to_string(ctx.seq) + ")");
     }
     throw;
   }

@@ -150,10 +150,12 @@ class RingBackend : public c10d::Backend {
   // Builds the wire identity of a collective and consumes a sequence number.
   OpInfo makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
                 uint64_t total, int32_t root = kNoRoot);
-  // Runs argument checks only the root of an op makes: a failure aborts the
-  // group with the root's message (its peers are already in the op and would
-  // otherwise wait for the timeout), then raises on the root as usual.
-  void rootOnlyChecks(const OpContext& ctx, const std::function<void()>& checks);
+  // Runs argument checks that depend on this rank's role in a rooted op (the
+  // root's lists, a non-root broadcast's writable input): the same call
+  // passes them on the other ranks, which are then in the op. A failure aborts
+  // the group with this rank's message (the peers would otherwise wait for
+  // the timeout), then raises here as usual.
+  void roleChecks(const OpContext& ctx, int root, const std::function<void()>& checks);
   // Queues the op for the worker; a synchronous op (asyncOp false) finding
   // the worker idle runs inline on the caller's thread instead, saving two
   // thread hand-offs (the latency of small collectives).
