@@ -87,6 +87,7 @@ SWEEP = [
     Case([4, 4, 4, 4], (8,), dtype=torch.bfloat16), Case(UNEVEN, (4, 6), dtype=torch.bfloat16),
     Case(UNEVEN, (6, 3), affine=False),
     Case(UNEVEN, (6,), momentum=None, steps=4, eval_after=True),
+    Case(UNEVEN, (6, 3), momentum=-0.5, steps=2),  # nn's update, not the cumulative average
     Case([3, 1, 0, 4], (5, 2, 2), momentum=None, steps=3, channels_last=True),
     Case([6, 2, 4, 4], (6, 3), eval_after=True, steps=2),
     Case(UNEVEN, (6, 3), track=False, eval_after=True, steps=2),
@@ -95,8 +96,8 @@ SWEEP = [
 
 
 def test_shapes_layouts_dtypes_modes(worlds):
-    """2D-5D, channels_last, fp16/bf16/fp64, uneven and empty batches, momentum=None,
-    eval, track_running_stats=False, affine=False: on 4 ranks."""
+    """2D-5D, channels_last, fp16/bf16/fp64, uneven and empty batches, momentum=None
+    and < 0, eval, track_running_stats=False, affine=False: on 4 ranks."""
     results = _merge(worlds.run(4, run_cases, SWEEP))
     for case, result in zip(SWEEP, results):
         _assert_case(result, case, TOL[case.dtype], 4)
@@ -155,6 +156,28 @@ def test_one_value_per_channel_raises_like_nn(worlds, sizes, tail):
         assert "got input size" in message
         assert tracked == 2  # incremented by the failed call, as nn does, and the good one
 
+
+@pytest.mark.parametrize("eps", [0.0, -1e-5])
+def test_eps_checked_like_nn(eps):
+    """eps <= 0 raises nn's ValueError wherever nn's does (the batch statistics
+    normalize: training, or eval without running stats), after the same
+    num_batches_tracked update; eval with running stats refuses only eps < 0."""
+    x = torch.randn(4, 3)
+    for training, track in ((True, True), (True, False), (False, False), (False, True)):
+        outcomes = []
+        for cls in (SyncBatchNorm, nn.BatchNorm1d):
+            bn = cls(3, eps=eps, track_running_stats=track).train(training)
+            try:
+                bn(x)
+                error = None
+            except ValueError as err:
+                error = str(err)
+            outcomes.append((error, bn.state_dict()))
+        (error, state), (want_error, want_state) = outcomes
+        assert error == want_error, (training, track)
+        assert state.keys() == want_state.keys()
+        for key, tensor in want_state.items():
+            assert torch.equal(state[key], tensor), (key, training, track)
 
 
 def test_input_dims_checked():
@@ -352,6 +375,58 @@ def test_cuda_single_process_matches_nn():
         ref(xr)[:16].sum().backward()
         assert torch.allclose(xo.grad, xr.grad, atol=1e-5, rtol=0)
         assert torch.allclose(ours.running_var, ref.running_var, atol=1e-5, rtol=0)
+
+
+# Same values, other strides: several count as both contiguous and channels_last,
+# or are channels_last by strides where suggest_memory_format() says contiguous.
+ODD_LAYOUTS = {
+    "channels_inner_unsqueezed": ((4, 3, 5, 1), lambda t: t.squeeze(-1).transpose(1, 2)
+                                  .contiguous().transpose(1, 2).unsqueeze(-1)),
+    "channels_inner_w1": ((4, 3, 1, 6), lambda t: t.movedim(1, -1).contiguous().movedim(-1, 1)),
+    "one_channel": ((3, 1, 4, 5), lambda t: t.movedim(1, -1).contiguous().movedim(-1, 1)),
+    "hw1_channels_last": ((5, 3, 1, 1), lambda t: t.contiguous(memory_format=torch.channels_last)),
+    "n1_channels_last": ((1, 3, 2, 4), lambda t: t.contiguous(memory_format=torch.channels_last)),
+    "transposed_2d": ((6, 4), lambda t: t.t().contiguous().t()),
+    "channels_inner_3d": ((3, 4, 6), lambda t: t.movedim(1, -1).contiguous().movedim(-1, 1)),
+    "channels_inner_5d": ((2, 3, 2, 4, 1), lambda t: t.movedim(1, -1).contiguous().movedim(-1, 1)),
+    "transposed_4d": ((3, 2, 4, 5), lambda t: t.transpose(2, 3).contiguous().transpose(2, 3)),
+    "not_dense": ((3, 2, 4, 2), lambda t: torch.stack([t, t], -1)[..., 0]),
+}
+
+
+@pytest.mark.skipif(_compiled_kernels() is None, reason="torch_ringreduce._C has no bn_* kernels")
+@pytest.mark.parametrize("dy_layout", ["contiguous", "same"])
+@pytest.mark.parametrize("layout", sorted(ODD_LAYOUTS))
+def test_compiled_kernels_any_strides(layout, dy_layout):
+    """The public _C kernels on x (and dy) in odd layouts equal the pure-torch reference
+    on contiguous copies (float64); outputs keep x's strides where x is read in place
+    (contiguous or channels_last by its strides), else are contiguous."""
+    ext = _compiled_kernels()
+    shape, relayout = ODD_LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(5)
+    x0, dy0 = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(2))
+    x = relayout(x0)
+    dy = dy0 if dy_layout == "contiguous" else relayout(dy0)
+    assert torch.equal(x, x0) and torch.equal(dy, dy0)
+    pack = ext.bn_stats_pack(x)
+    torch.testing.assert_close(pack, ref_kernels.bn_stats_pack(x0))
+    mean, invstd, var = ref_kernels.bn_finalize(pack * 2, 1e-5, torch.float64)
+    weight, bias = torch.rand(shape[1], dtype=torch.float64) + 0.5, torch.randn(shape[1]).double()
+    y = ext.bn_forward(x, mean, invstd, var, weight, bias)
+    torch.testing.assert_close(y, ref_kernels.bn_forward(x0, mean, invstd, var, weight, bias))
+    sums = ext.bn_backward_reduce(dy, x, mean)
+    torch.testing.assert_close(sums, ref_kernels.bn_backward_reduce(dy0, x0, mean))
+    args = (mean, invstd, weight, sums * 2, pack[0] * 2)
+    dx = ext.bn_backward_elemt(dy, x, *args)
+    torch.testing.assert_close(dx, ref_kernels.bn_backward_elemt(dy0, x0, *args))
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    in_place = x.is_contiguous() or (x.dim() in formats
+                                     and x.is_contiguous(memory_format=formats[x.dim()]))
+    for out in (y, dx):  # x's strides (size-1 dims aside) where x is read in place
+        if in_place:
+            assert all(a == b for a, b, n in zip(out.stride(), x.stride(), shape) if n > 1)
+        else:
+            assert out.is_contiguous()
 
 
 def test_avx2_build_matches_baseline_bitwise(tmp_path):

@@ -8,6 +8,7 @@ the global batch, so every rank backpropagates a non-trivial gradient.
 Weight and bias gradients are local to each rank: summed over the ranks (as
 DDP would) they must equal the oracle's.
 """
+import contextlib
 import dataclasses
 import types
 
@@ -37,7 +38,9 @@ class Case:
     members: tuple = None  # ranks of a subgroup; None: the default group
     steps: int = 1  # module cases: training steps before the checks
     transposed: bool = False  # module cases: a non-contiguous input (dims 2 and 3 swapped)
-    python_path: bool = False  # module cases: the Python autograd.Function, not the fused op
+    python_path: bool = False  # the Python autograd.Function, not the fused op
+    layout: tuple = None  # (x's, g's) names in LAYOUTS: how each rank lays out its slices
+    strided: bool = False  # functional cases: non-contiguous weight, bias and running stats
 
 
 def _data(case, step=0):
@@ -53,6 +56,51 @@ def _data(case, step=0):
     if case.transposed:
         x, g = x.transpose(2, 3), g.transpose(2, 3)  # views: non-contiguous
     return tuple(t.to(case.dtype) for t in (x, g, weight, bias, rm, rv))
+
+
+# Same values, other strides, for (N, C, *) tensors; the kernels must read x and
+# g in whatever layout each comes (several count as both contiguous and
+# channels_last, or disagree with suggest_memory_format()).
+LAYOUTS = {
+    "contiguous": lambda t: t.contiguous(),
+    # channels innermost: (N, C, H, 1) so is seq.permute(0, 2, 1).unsqueeze(-1)
+    "channels_inner": lambda t: t.movedim(1, -1).contiguous().movedim(-1, 1),
+    "seq_unsqueezed": lambda t: t.squeeze(-1).transpose(1, 2).contiguous().transpose(1, 2)
+    .unsqueeze(-1),
+    "channels_last": lambda t: t.contiguous(
+        memory_format={4: torch.channels_last, 5: torch.channels_last_3d}[t.dim()]),
+    "transposed": lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2),
+    "reversed": lambda t: t.permute(*reversed(range(t.dim()))).contiguous()
+    .permute(*reversed(range(t.dim()))),
+    "sliced": lambda t: torch.stack([t, t], -1)[..., 0],  # not dense
+}
+
+
+def _laid_out(case, x, g):
+    if case.layout is None:
+        return x, g
+    return tuple(LAYOUTS[how](t) for how, t in zip(case.layout, (x, g)))
+
+
+def _strided(t):
+    """t's values in a non-contiguous tensor (stride 2) of its own."""
+    return torch.empty_strided(t.shape, (2,), dtype=t.dtype).copy_(t)
+
+
+@contextlib.contextmanager
+def _python_function(enabled=True):
+    """SyncBatchNorm's Python autograd.Function on the compiled kernels, not the fused op."""
+    from torch_ringreduce import sync_batchnorm
+
+    kernels = sync_batchnorm._kernels
+    if enabled:
+        compiled = kernels("cpu")
+        names = {n: getattr(compiled, n) for n in sync_batchnorm.KERNEL_NAMES}
+        sync_batchnorm._kernels = lambda device_type: types.SimpleNamespace(fused=None, **names)
+    try:
+        yield
+    finally:
+        sync_batchnorm._kernels = kernels
 
 
 def _rows(case, pos):
@@ -85,15 +133,18 @@ def functional_rank(ctx, cases):
             continue
         x_full, g_full, w, b, rm0, rv0 = _data(case)
         lo, hi = _rows(case, pos)
-        x = x_full[lo:hi].clone().requires_grad_()
-        weight = w.clone().requires_grad_() if case.affine else None
-        bias = b.clone().requires_grad_() if case.affine else None
-        rm, rv = (rm0.clone(), rv0.clone()) if case.track else (None, None)
+        x, g = _laid_out(case, x_full[lo:hi], g_full[lo:hi])
+        x = x.detach().requires_grad_()
+        copy = _strided if case.strided else torch.clone
+        weight = copy(w).requires_grad_() if case.affine else None
+        bias = copy(b).requires_grad_() if case.affine else None
+        rm, rv = (copy(rm0), copy(rv0)) if case.track else (None, None)
         counter = CollectiveCounter(group)
         counts = [counter.count()]
-        y = sync_batch_norm(x, rm, rv, weight, bias, True, case.momentum, case.eps, group)
-        counts.append(counter.count())
-        (y * g_full[lo:hi]).sum().backward()
+        with _python_function(case.python_path):
+            y = sync_batch_norm(x, rm, rv, weight, bias, True, case.momentum, case.eps, group)
+            counts.append(counter.count())
+            (y * g).sum().backward()
         counts.append(counter.count())
         y_eval = None
         if case.track:
@@ -111,24 +162,14 @@ def functional_rank(ctx, cases):
 def module_rank(ctx, cases):
     """Remote: per case, SyncBatchNorm for `steps` training steps on this rank's slices
     (gradients accumulate); outputs, input grads, parameter grads, buffers back."""
-    from torch_ringreduce import sync_batchnorm
-
     out = []
     for case in cases:
         group, pos = _membership(ctx, case)
         if pos is None:
             out.append(None)
             continue
-        kernels = sync_batchnorm._kernels
-        if case.python_path:
-            compiled = kernels("cpu")
-            names = {n: getattr(compiled, n) for n in sync_batchnorm.KERNEL_NAMES}
-            sync_batchnorm._kernels = lambda device_type: types.SimpleNamespace(fused=None,
-                                                                                **names)
-        try:
+        with _python_function(case.python_path):
             out.append(_module_case(ctx, case, group, pos))
-        finally:
-            sync_batchnorm._kernels = kernels
     return out
 
 
@@ -141,11 +182,12 @@ def _module_case(ctx, case, group, pos):
     steps = []
     for step in range(case.steps):
         x_full, g_full = _data(case, step)[:2]
-        x = x_full[lo:hi].detach().requires_grad_()  # keeps the layout
+        x, g = _laid_out(case, x_full[lo:hi], g_full[lo:hi])
+        x = x.detach().requires_grad_()  # keeps the layout
         before = counter.count()
         y = bn(x)
         middle = counter.count()
-        (y * g_full[lo:hi]).sum().backward()
+        (y * g).sum().backward()
         steps.append({"y": y.detach(), "dx": x.grad, "x_contiguous": x.is_contiguous(),
                       "calls": [middle - before, counter.count() - middle]})
     state = {k: v.detach().clone() for k, v in bn.state_dict().items()}
@@ -260,7 +302,10 @@ FUNCTIONAL_CASES = {
         Case([0, 6], (3, 5), seed=2, momentum=0.3),
         Case([3, 4], (2, 3, 2), seed=3, affine=False),
         Case([4, 1], (5,), seed=4, track=False),
-        Case([2, 5], (3, 2, 2, 2), seed=5, dtype=torch.float64)],
+        Case([2, 5], (3, 2, 2, 2), seed=5, dtype=torch.float64),
+        Case([3, 4], (4, 3), seed=31, momentum=-0.1),  # any float, as F.batch_norm
+        Case([4, 3], (4, 2, 2), seed=32, strided=True),  # stats/weight/bias not contiguous
+        Case([2, 4], (3,), seed=33, strided=True, python_path=True, momentum=0.4)],
     3: [Case([3, 0, 6], (4, 5), seed=6),
         Case([2, 7, 1], (3, 2, 2), seed=7, momentum=0.5),
         Case([1, 1, 1], (6,), seed=8),  # one row each: 3 values per channel in all
@@ -289,15 +334,82 @@ MODULE_CASES = [
     Case([5, 2], (4, 6), seed=16, steps=2),  # 3-D
     Case([0, 6], (4, 3), seed=17, momentum=None, steps=2),  # 3-D
     Case([3, 3], (4, 5), seed=18, python_path=True),  # 3-D
+    Case([3, 4], (4, 5), seed=19, momentum=-0.5, steps=2),  # nn's update for any float
+    Case([4, 2], (3, 2, 2, 2, 2), seed=20, momentum=-0.5, python_path=True),
 ]
 
 
 def test_module_any_dims(worlds):
     """SyncBatchNorm on (N, C, *) of 3 and 6-7 dims on 2 ranks against nn's batch norm
-    on the concatenated batch: forward, backward, grads, running stats and counter."""
+    on the concatenated batch: forward, backward, grads, running stats and counter
+    (momentum < 0 is nn's (1 - m) * running + m * batch, not the cumulative average)."""
     per_rank = worlds.run(2, module_rank, MODULE_CASES)
     for i, case in enumerate(MODULE_CASES):
         _check_module(case, _members(case, [r[i] for r in per_rank]))
+
+
+# ------------------------------------------------------------------ layouts
+
+LAYOUT_CASES = [  # float64: the oracle's precision shows any misread element
+    Case([3, 4], (3, 5, 1), seed=40, dtype=torch.float64,
+         layout=("seq_unsqueezed", "contiguous")),  # channels_last by strides, not by
+    Case([3, 4], (3, 5, 1), seed=41, layout=("seq_unsqueezed", "seq_unsqueezed")),  # suggest
+    Case([2, 5], (4, 1, 6), seed=42, dtype=torch.float64,
+         layout=("channels_inner", "channels_last")),
+    Case([3, 3], (1, 4, 5), seed=43, dtype=torch.float64, layout=("transposed", "channels_inner")),
+    Case([3, 3], (1, 4, 5), seed=44, dtype=torch.float64, layout=("channels_inner", "transposed")),
+    Case([4, 3], (3, 1, 1), seed=45, dtype=torch.float64, layout=("channels_last", "reversed")),
+    Case([1, 3], (3, 2, 4), seed=46, dtype=torch.float64, layout=("channels_last", "transposed")),
+    Case([3, 4], (5,), seed=47, dtype=torch.float64, layout=("reversed", "contiguous")),
+    Case([2, 3], (3, 2, 4, 1), seed=48, dtype=torch.float64,
+         layout=("channels_inner", "contiguous")),
+    Case([3, 2], (3, 4, 2), seed=49, dtype=torch.float64, layout=("sliced", "sliced")),
+    Case([3, 4], (4, 6), seed=50, dtype=torch.float64, layout=("channels_inner", "reversed")),
+]
+
+
+def _manual_batch_norm(case):
+    """The oracle for any layout: batch norm in float64 written with plain autograd ops
+    on contiguous copies of the global batch (nn's CPU batch norm misreads some
+    layouts). (y, dx, dw, db, running_mean, running_var)."""
+    x_full, g_full, w, b, rm, rv = (t.double().contiguous() for t in _data(case))
+    x = x_full.requires_grad_()
+    weight, bias = w.requires_grad_(), b.requires_grad_()
+    dims, shape = [0, *range(2, x.dim())], (1, -1) + (1,) * (x.dim() - 2)
+    mean = x.mean(dims, keepdim=True)
+    var = ((x - mean) ** 2).mean(dims, keepdim=True)
+    y = (x - mean) / (var + case.eps).sqrt() * weight.view(shape) + bias.view(shape)
+    (y * g_full).sum().backward()
+    n, m = x.numel() // x.shape[1], case.momentum
+    rm = (1 - m) * rm + m * mean.detach().flatten()
+    rv = (1 - m) * rv + m * var.detach().flatten() * n / (n - 1)
+    return [t.detach().to(case.dtype) for t in (y, x.grad, weight.grad, bias.grad, rm, rv)]
+
+
+def test_any_layout_of_input_and_grad(worlds):
+    """x and the output gradient each in its own layout (channels innermost with a
+    size-1 dim, C = 1, N = 1, H = W = 1, transposed, not dense, ...), through the
+    fused op and the Python autograd.Function, module and functional form, on 2 ranks,
+    against float64 batch norm written with plain ops."""
+    cases = [dataclasses.replace(c, python_path=p) for c in LAYOUT_CASES for p in (False, True)]
+    modules, functionals = (worlds.run(2, fn, cases) for fn in (module_rank, functional_rank))
+    for i, case in enumerate(cases):
+        y, dx, dw, db, rm, rv = _manual_batch_norm(case)
+        for form, per_rank in (("module", modules), ("functional", functionals)):
+            got = [r[i] for r in per_rank]
+            if form == "module":
+                got = [dict(r["steps"][0], rm=r["state"]["running_mean"],
+                            rv=r["state"]["running_var"], dw=r["grads"][0], db=r["grads"][1])
+                       for r in got]
+            where = f"{form} {case}"
+            assert_close(torch.cat([r["y"] for r in got]), y, msg=lambda m: f"y {where}: {m}")
+            assert_close(torch.cat([r["dx"] for r in got]), dx,
+                         msg=lambda m: f"input grad {where}: {m}")
+            assert_close(sum(r["dw"] for r in got), dw, msg=lambda m: f"dw {where}: {m}")
+            assert_close(sum(r["db"] for r in got), db, msg=lambda m: f"db {where}: {m}")
+            for r in got:
+                assert_close(r["rm"], rm, msg=lambda m: f"running_mean {where}: {m}")
+                assert_close(r["rv"], rv, msg=lambda m: f"running_var {where}: {m}")
 
 
 # ------------------------------------------------------------------ in this process
@@ -344,8 +456,6 @@ def test_functional_argument_errors_like_f_batch_norm():
         sync_batch_norm(x, None, None, training=False)
     with pytest.raises(TypeError, match="momentum"):
         sync_batch_norm(x, rm, rv, training=True, momentum=None)
-    with pytest.raises(ValueError, match="momentum must be non-negative"):
-        sync_batch_norm(x, rm, rv, training=True, momentum=-0.5)
     with pytest.raises(ValueError, match="eps must be positive"):
         sync_batch_norm(x, rm, rv, training=True, eps=0.0)
     with pytest.raises(ValueError, match="both be None or neither"):
@@ -359,6 +469,15 @@ def test_functional_argument_errors_like_f_batch_norm():
                      lambda x: SyncBatchNorm(3)(x)):
             with pytest.raises(ValueError) as got:
                 call(torch.randn(shape))
+            assert str(got.value) == str(want.value)
+    for python_path in (False, True):  # nn's message for a per-channel tensor of a wrong size
+        for i in range(4):
+            args = [torch.zeros(3), torch.ones(3), torch.ones(3), torch.zeros(3)]
+            args[i] = torch.zeros(4)
+            with pytest.raises(RuntimeError) as want:
+                F.batch_norm(x, *args, training=True)
+            with _python_function(python_path), pytest.raises(RuntimeError) as got:
+                sync_batch_norm(x, *args, training=True)
             assert str(got.value) == str(want.value)
     assert_close(rm, torch.zeros(3))  # no failed call touched the running stats
     assert_close(rv, torch.ones(3))

@@ -74,9 +74,10 @@ def bn_forward(x, mean, invstd, var_unbiased, weight=None, bias=None, running_me
                running_var=None, num_batches_tracked=None, momentum=0.1):
     """y = (x - mean) * invstd * weight + bias, plus the in-place running-stat update.
 
-    When running_mean/running_var are given: f = momentum, or 1/num_batches_tracked
-    when momentum < 0 (cumulative average; the counter is already incremented and
-    read on its device), rm = (1-f) rm + f mean, rv = (1-f) rv + f var_unbiased.
+    When running_mean/running_var are given: f = momentum (any float), or
+    1/num_batches_tracked when momentum is None (cumulative average; the counter is
+    already incremented and read on its device), rm = (1-f) rm + f mean,
+    rv = (1-f) rv + f var_unbiased.
     y has x's dtype and memory format.
     """
     sd = stat_dtype(x)
@@ -92,10 +93,12 @@ def bn_forward(x, mean, invstd, var_unbiased, weight=None, bias=None, running_me
 
 
 def _update_factor(momentum, num_batches_tracked, running_mean, running_var):
-    if momentum >= 0 or (running_mean is None and running_var is None):
+    if running_mean is None and running_var is None:
+        return 0.0  # nothing to update
+    if momentum is not None:
         return float(momentum)
     if num_batches_tracked is None:
-        raise ValueError("bn_forward: momentum < 0 (cumulative average) needs "
+        raise ValueError("bn_forward: momentum=None (cumulative average) needs "
                          "num_batches_tracked")
     like = running_mean if running_mean is not None else running_var
     return num_batches_tracked.to(like.dtype).reciprocal()

@@ -22,27 +22,29 @@ def sync_batch_norm(input, running_mean, running_var, weight=None, bias=None, tr
     """Batch norm over the batches of every rank in `process_group`, as F.batch_norm.
 
     input: (N, C, *), two or more dims, C > 0; any rank's N may be 0.
-    running_mean, running_var: [C] tensors or both None. With training=True
-        they are updated in place: (1 - momentum) * running + momentum * batch
-        statistic, the variance unbiased over the global batch (an empty
-        global batch leaves them untouched, as nn.BatchNorm does).
+    running_mean, running_var: [C] tensors (any stride) or both None. With
+        training=True they are updated in place, the tensors given:
+        (1 - momentum) * running + momentum * batch statistic, the variance
+        unbiased over the global batch (an empty global batch leaves them
+        untouched, as nn.BatchNorm does).
     weight, bias: [C] or None.
     training: True normalizes with the global batch statistics: one
         all-reduce in forward and one in backward (none when torch.distributed
         is not initialized or the group has one rank: plain batch norm).
         False normalizes with the running stats, with no communication; they
         must then be given (F.batch_norm's RuntimeError otherwise).
-    momentum: the update factor, a float as F.batch_norm's (negative ones are
-        refused). None, nn's cumulative moving average, is refused with a
-        TypeError as F.batch_norm refuses it: it needs the module's
-        num_batches_tracked counter; use SyncBatchNorm(momentum=None).
+    momentum: the update factor, any float as F.batch_norm's. None, nn's
+        cumulative moving average, is refused with a TypeError as
+        F.batch_norm refuses it: it needs the module's num_batches_tracked
+        counter; use SyncBatchNorm(momentum=None).
     eps: > 0 when training, >= 0 otherwise (F.batch_norm's checks).
     process_group: the group to synchronize over; None is the default group.
 
     The weight and bias gradients are local to the rank (DDP reduces them);
     the input gradient is that of batch norm over the global batch. Raises
     ValueError for fewer than 2 dims, C == 0, a global batch with one value
-    per channel (nn's message), and running stats given one without the other.
+    per channel (nn's message), and running stats given one without the other;
+    RuntimeError (nn's) for a per-channel tensor without C elements.
     """
     dims = input.dim()
     if dims < 2:
@@ -55,8 +57,6 @@ def sync_batch_norm(input, running_mean, running_var, weight=None, bias=None, tr
         raise TypeError("sync_batch_norm: momentum must be a float, not None (the cumulative "
                         "average needs num_batches_tracked: use SyncBatchNorm(momentum=None))")
     momentum = float(momentum)
-    if momentum < 0:  # the training pass reads momentum < 0 as the cumulative average
-        raise ValueError(f"sync_batch_norm: momentum must be non-negative, got {momentum}")
     if eps <= 0.0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
     if (running_mean is None) != (running_var is None):

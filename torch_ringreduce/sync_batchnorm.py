@@ -98,7 +98,10 @@ def kernel_source(device="cpu"):
 # ------------------------------------------------------------------ helpers
 
 def _memory_format(x):
-    """channels_last(_3d) when x is laid out so (and not also plain contiguous)."""
+    """The compiled kernels' layout decision (csrc bnInput), by the strides alone:
+    contiguous when x is (it may also be channels_last: C == 1, H == W == 1, ...),
+    else channels_last(_3d) when x is laid out so, which suggest_memory_format()
+    may deny ((N, C, H, 1) with channels innermost), else contiguous (a copy)."""
     if x.is_contiguous():
         return torch.contiguous_format
     if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
@@ -115,6 +118,16 @@ def _one_value_error(x, world_size):
     where = f" (1 value per channel over the {world_size} ranks of the group)" \
         if world_size > 1 else ""
     return ValueError(f"{_ONE_VALUE}, got input size {x.size()}{where}")
+
+
+_PER_CHANNEL = ("running_mean", "running_var", "weight", "bias")
+
+
+def _check_per_channel(channels, *tensors):
+    """nn's RuntimeError for a per-channel tensor (_PER_CHANNEL order) of a wrong size."""
+    for name, t in zip(_PER_CHANNEL, tensors):
+        if t is not None and t.numel() != channels:
+            raise RuntimeError(f"{name} should contain {channels} elements not {t.numel()}")
 
 
 def _to_stat(t, dtype):
@@ -188,7 +201,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, invstd, count = ctx.saved_tensors
         k = _kernels(x.device.type)
-        dy = dy.contiguous(memory_format=_memory_format(x))
+        dy = dy.contiguous(memory_format=_memory_format(x))  # x's strides: read in place
         sums = k.bn_backward_reduce(dy, x, mean)
         grad_x = grad_weight = grad_bias = None
         if weight is not None and ctx.needs_input_grad[1]:
@@ -211,9 +224,11 @@ def _sync_batch_norm_train(input, weight, bias, running_mean, running_var,
     functional.sync_batch_norm; callers have checked the arguments. input is
     (N, C, *) with C > 0: more than 5 dims run as (N, C, L), a reshape (a view
     where it can be) that autograd carries back, since the kernels take 2D-5D.
-    running_mean/running_var: both given or both None, updated in place.
-    momentum >= 0 is the update factor, < 0 the cumulative average
-    1/num_batches_tracked (already incremented). Plain batch norm, with no
+    running_mean/running_var: both given or both None, updated in place (any
+    stride). momentum: the update factor, any float as nn's, or None for the
+    cumulative average 1/num_batches_tracked (already incremented). A
+    per-channel tensor of a wrong size raises nn's RuntimeError before any
+    collective. Plain batch norm, with no
     communication, when torch.distributed is not initialized or the group has
     one rank. nn's one-value error carries the caller's shape, as nn's does.
     """
@@ -234,6 +249,7 @@ def _sync_batch_norm_train(input, weight, bias, running_mean, running_var,
             y = fused(x, weight, bias, running_mean, running_var, nbt, eps, momentum,
                       group if world_size > 1 else None, _reads_count_on_host(x))
         else:
+            _check_per_channel(x.shape[1], running_mean, running_var, weight, bias)
             y = _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var,
                                              nbt, eps, momentum, group, world_size)
     except ValueError as err:  # the fused op writes the sizes as [1, 3]: nn's message
@@ -289,7 +305,10 @@ class SyncBatchNorm(_BatchNorm):
         if not (bn_training and training):  # eval: no communication, as nn's
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, 0.0, self.eps)
-        momentum = -1.0 if self.momentum is None else float(self.momentum)
+        if self.eps <= 0.0:  # F.batch_norm's check, where nn's forward reaches it
+            raise ValueError(f"batch_norm eps must be positive during training, but got "
+                             f"{self.eps}")
+        momentum = None if self.momentum is None else float(self.momentum)
         return _sync_batch_norm_train(input, self.weight, self.bias, running_mean, running_var,
                                       nbt, momentum, self.eps, self.process_group)
 

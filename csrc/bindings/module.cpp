@@ -234,7 +234,8 @@ PYBIND11_MODULE(_C, m) {
   // The fused op: kernels + one all-reduce per pass (contract in csrc/ops/sync_batch_norm.h).
   m.def("sync_batch_norm_train",
         [](const at::Tensor& x, const OptT& weight, const OptT& bias, const OptT& runningMean,
-           const OptT& runningVar, const OptT& numBatchesTracked, double eps, double momentum,
+           const OptT& runningVar, const OptT& numBatchesTracked, double eps,
+           std::optional<double> momentum,
            const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& group,
            std::optional<bool> hostCount) {
           return ringreduce::syncBatchNormTrain(x, weight, bias, runningMean, runningVar,

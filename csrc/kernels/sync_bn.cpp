@@ -4,22 +4,59 @@
 
 namespace ringreduce {
 
+namespace {
+
+// channels_last(_3d) by the strides (size-1 dims aside).
+bool channelsLastByStrides(const at::Tensor& x) {
+  return (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
+         (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d));
+}
+
+// Whether a and b place every element alike: equal strides on each dim of size > 1.
+bool sameStrides(const at::Tensor& a, const at::Tensor& b) {
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// The one layout decision, by strides alone: suggest_memory_format() calls some
+// channels_last-contiguous tensors contiguous (channels innermost with a size-1
+// dim: (N, C, H, 1) from seq.permute(0, 2, 1).unsqueeze(-1)). A tensor that is
+// both (C == 1, H == W == 1, ...) reads alike either way; contiguous is taken.
 BnLayout bnLayoutOf(const at::Tensor& x, at::Tensor* holder) {
   TORCH_CHECK_VALUE(x.dim() >= 2 && x.dim() <= 5, "[ringreduce] sync batch norm expects a 2D-5D ",
                     "input (N, C, ...), got ", x.dim(), "D");
   const int64_t n = x.size(0), c = x.size(1), spatial = c == 0 || n == 0 ? 0 : x.numel() / (n * c);
-  bool channelsLast = x.dim() == 2 || (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
-                      (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d));
-  if (x.dim() > 2 && x.is_contiguous()) channelsLast = false;
-  *holder = (channelsLast || x.is_contiguous()) ? x : x.contiguous();
+  const bool contiguous = x.is_contiguous();
+  const bool channelsLast = !contiguous && channelsLastByStrides(x);
+  *holder = contiguous || channelsLast ? x : x.contiguous();
   if (channelsLast) return {n * spatial, c, 1, c, 1};
   return {n, c, spatial, c * spatial, spatial};
+}
+
+at::Tensor bnInput(const at::Tensor& x) {
+  at::Tensor holder;
+  bnLayoutOf(x, &holder);
+  return holder;
 }
 
 at::Tensor bnGradLike(const at::Tensor& dy, const at::Tensor& x, const char* kernel) {
   TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "[ringreduce] ", kernel, ": dy ", dy.sizes(),
                     " does not match x ", x.sizes());
-  return dy.contiguous(x.suggest_memory_format());
+  if (sameStrides(dy, x)) return dy;
+  // x is dense (bnInput): empty_like keeps its strides exactly.
+  return at::empty_like(x, x.options().dtype(dy.scalar_type())).copy_(dy);
+}
+
+void bnCheckPerChannel(const at::Tensor& t, int64_t channels, const char* name) {
+  if (!t.defined()) return;
+  TORCH_CHECK(t.numel() == channels, name, " should contain ", channels, " elements not ",
+              t.numel());  // nn's RuntimeError and message
+  TORCH_CHECK_VALUE(t.dim() == 1, "[ringreduce] sync batch norm: ", name, " must be 1-D, got ",
+                    "shape ", t.sizes());
 }
 
 namespace {
@@ -83,7 +120,8 @@ at::Tensor bnForward(const at::Tensor& x, const at::Tensor& mean, const at::Tens
                      const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& runningMean,
                      const std::optional<at::Tensor>& runningVar,
-                     const std::optional<at::Tensor>& numBatchesTracked, double momentum) {
+                     const std::optional<at::Tensor>& numBatchesTracked,
+                     std::optional<double> momentum) {
   RR_ROUTE(x, bnForward, x, mean, invstd, varUnbiased, weight, bias, runningMean, runningVar,
            numBatchesTracked, momentum);
 }

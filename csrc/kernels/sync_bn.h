@@ -4,10 +4,12 @@
 //
 // Shared conventions. x and dy have shape (N, C), (N, C, L), (N, C, H, W) or
 // (N, C, D, H, W), dtype float32/float64/float16/bfloat16, contiguous or
-// channels_last(_3d) (read in place, no copy; other layouts are copied once).
+// channels_last(_3d) by their strides (read in place, no copy; other layouts are
+// copied once): bnInput decides for every kernel, and dy is read with x's strides.
 // Per-channel vectors (mean, invstd, var, weight, bias, running stats) are
 // float32, or float64 for float64 inputs ("stat dtype"). Packs are float64.
-// Outputs keep x's dtype and memory format. Accumulation is in float64.
+// Outputs keep x's dtype and strides (bnInput(x)'s). Accumulation is in float64.
+// Per-channel vectors may have any stride; running stats are updated in place.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,6 +18,19 @@
 #include <tuple>
 
 namespace ringreduce {
+
+// x as every kernel reads it: x itself when contiguous, else when channels_last(_3d),
+// both judged by the strides (not suggest_memory_format(), which calls some
+// channels_last tensors contiguous); else a contiguous copy.
+at::Tensor bnInput(const at::Tensor& x);
+
+// dy laid out as x = bnInput(...) (same strides on dims of size > 1): dy itself
+// when it is, else a copy. Checks dy has x's shape.
+at::Tensor bnGradLike(const at::Tensor& dy, const at::Tensor& x, const char* kernel);
+
+// A per-channel tensor (weight, bias, running stats; undefined passes): nn's
+// RuntimeError "<name> should contain <channels> elements not <numel>", and 1-D.
+void bnCheckPerChannel(const at::Tensor& t, int64_t channels, const char* name);
 
 // Local per-channel statistics: Welford-style (count, mean, M2), computed per
 // chunk with two passes and merged with Chan's formula (exact for uneven and
@@ -31,15 +46,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bnFinalize(const at::Tensor& pack
                                                           c10::ScalarType statDtype);
 
 // y = (x - mean) * invstd * weight + bias (weight/bias optional), fused with the
-// running-stat update when runningMean is given: f = momentum, or 1/nbt when
-// momentum < 0 (cumulative average; nbt = num_batches_tracked, already
-// incremented, read on the device), rm = (1-f) rm + f mean, rv = (1-f) rv + f var.
+// running-stat update when runningMean is given: f = momentum (any value, as
+// nn's), or 1/nbt when momentum is nullopt (cumulative average; nbt =
+// num_batches_tracked, already incremented, read on the device),
+// rm = (1-f) rm + f mean, rv = (1-f) rv + f var.
 at::Tensor bnForward(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
                      const at::Tensor& varUnbiased, const std::optional<at::Tensor>& weight,
                      const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& runningMean,
                      const std::optional<at::Tensor>& runningVar,
-                     const std::optional<at::Tensor>& numBatchesTracked, double momentum);
+                     const std::optional<at::Tensor>& numBatchesTracked,
+                     std::optional<double> momentum);
 
 // Backward reduction: fp64 [2, C] = [sum dy, sum dy * (x - mean)] per channel.
 at::Tensor bnBackwardReduce(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean);

@@ -10,6 +10,7 @@
 #include "kernels/sync_bn_impl.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -82,10 +83,7 @@ double sumRun(const T* __restrict p, int64_t len, F term) {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-void checkStat(const at::Tensor& t, int64_t c, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == c && t.is_contiguous(), "[ringreduce] sync batch norm: ",
-                    name, " must be a contiguous [", c, "] tensor, got ", t.sizes());
-}
+void checkStat(const at::Tensor& t, int64_t c, const char* name) { bnCheckPerChannel(t, c, name); }
 
 }  // namespace
 
@@ -179,9 +177,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bnFinalize(const at::Tensor& pack
 
 namespace {
 
-// The per-channel vector as float64 (weight/bias default to 1/0). Read in
-// place (no tensor is allocated: at SyncBN's sizes allocations cost more than
-// the arithmetic) unless it is not a CPU floating-point tensor.
+// The per-channel vector as float64 (weight/bias default to 1/0), any stride.
+// Read in place (no tensor is allocated: at SyncBN's sizes allocations cost
+// more than the arithmetic) unless it is not a CPU floating-point tensor.
 std::vector<double> perChannel(const std::optional<at::Tensor>& t, int64_t C, double fallback,
                                const char* name) {
   std::vector<double> out(C, fallback);
@@ -190,29 +188,36 @@ std::vector<double> perChannel(const std::optional<at::Tensor>& t, int64_t C, do
   const at::Tensor d = t->is_cpu() ? *t : t->to(at::kCPU);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, d.scalar_type(), "bn_per_channel", [&] {
     const scalar_t* p = d.const_data_ptr<scalar_t>();
-    for (int64_t c = 0; c < C; ++c) out[c] = static_cast<double>(p[c]);
+    const int64_t stride = d.stride(0);
+    for (int64_t c = 0; c < C; ++c) out[c] = static_cast<double>(p[c * stride]);
   });
   return out;
 }
 
-// stat = (1 - f) stat + f value, in place, element by element.
+// stat = (1 - f) stat + f value, in place (the caller's tensor, any stride),
+// element by element.
 void blendInto(const at::Tensor& stat, const at::Tensor& value, double f, const char* name) {
   checkStat(stat, value.size(0), name);
+  at::assert_no_internal_overlap(stat);  // as torch's in-place ops: an expanded stat
   const at::Tensor v = value.to(stat.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, stat.scalar_type(), "bn_running_stats", [&] {
     scalar_t* s = stat.data_ptr<scalar_t>();
     const scalar_t* p = v.const_data_ptr<scalar_t>();
+    const int64_t ss = stat.stride(0), vs = v.stride(0);
     for (int64_t c = 0; c < stat.size(0); ++c) {
-      s[c] = static_cast<scalar_t>((1 - f) * static_cast<double>(s[c]) + f * static_cast<double>(p[c]));
+      scalar_t& out = s[c * ss];
+      out = static_cast<scalar_t>((1 - f) * static_cast<double>(out) + f * static_cast<double>(p[c * vs]));
     }
   });
 }
 
 void updateRunningStats(const at::Tensor& mean, const at::Tensor& var, const at::Tensor& rm,
                         const std::optional<at::Tensor>& rv,
-                        const std::optional<at::Tensor>& nbt, double momentum) {
-  double f = momentum;
-  if (momentum < 0) {
+                        const std::optional<at::Tensor>& nbt, std::optional<double> momentum) {
+  double f;
+  if (momentum.has_value()) {
+    f = *momentum;  // any value, as nn's (1 - m) * running + m * batch
+  } else {
     TORCH_CHECK_VALUE(nbt.has_value() && nbt->defined(), "[ringreduce] bn_forward: momentum=None ",
                       "(cumulative average) needs num_batches_tracked");
     f = 1.0 / nbt->item<double>();  // a CPU scalar: no device sync involved
@@ -228,7 +233,8 @@ at::Tensor bnForward(const at::Tensor& input, const at::Tensor& mean, const at::
                      const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& runningMean,
                      const std::optional<at::Tensor>& runningVar,
-                     const std::optional<at::Tensor>& numBatchesTracked, double momentum) {
+                     const std::optional<at::Tensor>& numBatchesTracked,
+                     std::optional<double> momentum) {
   at::Tensor x;
   const Layout l = bnLayoutOf(input, &x);
   const int64_t C = l.channels;

@@ -8,12 +8,9 @@
 namespace ringreduce {
 
 // The BnLayout of x, or of a contiguous copy of it (kept alive in *holder) when
-// x is neither contiguous nor channels_last. Checks x is 2D-5D.
+// x is neither contiguous nor channels_last(_3d) by its strides; *holder is
+// bnInput(x). Checks x is 2D-5D.
 BnLayout bnLayoutOf(const at::Tensor& x, at::Tensor* holder);
-
-// dy in the memory order of x (the tensor bnLayoutOf returned), so one offset
-// addresses both; checks dy has x's shape.
-at::Tensor bnGradLike(const at::Tensor& dy, const at::Tensor& x, const char* kernel);
 
 #define RR_SYNC_BN_DECLARATIONS                                                                   \
   at::Tensor bnStatsPack(const at::Tensor& x);                                                  \
@@ -24,7 +21,8 @@ at::Tensor bnGradLike(const at::Tensor& dy, const at::Tensor& x, const char* ker
                        const std::optional<at::Tensor>& bias,                                    \
                        const std::optional<at::Tensor>& runningMean,                             \
                        const std::optional<at::Tensor>& runningVar,                              \
-                       const std::optional<at::Tensor>& numBatchesTracked, double momentum);     \
+                       const std::optional<at::Tensor>& numBatchesTracked,                       \
+                       std::optional<double> momentum);                                          \
   at::Tensor bnBackwardReduce(const at::Tensor& dy, const at::Tensor& x,                         \
                               const at::Tensor& mean);                                           \
   at::Tensor bnBackwardElemt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,  \

@@ -56,15 +56,14 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
                             const std::optional<at::Tensor>& runningMeanIn,
                             const std::optional<at::Tensor>& runningVarIn,
                             const std::optional<at::Tensor>& numBatchesTracked, double eps,
-                            double momentum, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                            bool hostCount) {
+                            std::optional<double> momentum,
+                            const c10::intrusive_ptr<c10d::ProcessGroup>& group, bool hostCount) {
     const at::Tensor weight = orUndefined(weightIn), bias = orUndefined(biasIn);
     const at::Tensor runningMean = orUndefined(runningMeanIn), runningVar = orUndefined(runningVarIn);
     const int world = worldSize(group);
-    // Channels_last stays as it is; any other non-contiguous layout is copied once.
-    const at::Tensor x = input.is_contiguous() || input.is_contiguous(input.suggest_memory_format())
-                             ? input
-                             : input.contiguous(input.suggest_memory_format());
+    // The kernels' layout decision, once: contiguous and channels_last (by the
+    // strides) stay as they are; any other layout is copied once.
+    const at::Tensor x = bnInput(input);
     const c10::ScalarType sd = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     at::Tensor pack = bnStatsPack(x);
     allReduceSum(group, pack);
@@ -110,7 +109,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     const auto group = g.isNone() ? c10::intrusive_ptr<c10d::ProcessGroup>()
                                   : c10::static_intrusive_pointer_cast<c10d::ProcessGroup>(g.toCapsule());
     const at::IValue& biasType = ctx->saved_data["bias"];
-    const at::Tensor& dy = grads[0];
+    const at::Tensor dy = bnGradLike(grads[0], x, "sync_batch_norm_train");  // one copy at most
     // needs_input_grad counts the tensor inputs that were present: x, weight?, bias?.
     const size_t biasEdge = weight.defined() ? 2 : 1;
     at::Tensor sums = bnBackwardReduce(dy, x, mean);
@@ -137,13 +136,19 @@ at::Tensor syncBatchNormTrain(const at::Tensor& x, const std::optional<at::Tenso
                               const std::optional<at::Tensor>& runningMean,
                               const std::optional<at::Tensor>& runningVar,
                               const std::optional<at::Tensor>& numBatchesTracked, double eps,
-                              double momentum,
+                              std::optional<double> momentum,
                               const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                               bool hostCount) {
   TORCH_CHECK_VALUE(x.dim() >= 2 && x.dim() <= 5 && x.size(1) > 0, "[ringreduce] sync batch ",
                     "norm expects a 2D-5D input (N, C, ...) with C > 0, got ", x.sizes());
   TORCH_CHECK_VALUE(has(runningMean) == has(runningVar), "[ringreduce] sync batch norm: ",
                     "running_mean and running_var must be given together");
+  // Before any collective, so a bad argument fails every rank alike, as nn does.
+  const int64_t C = x.size(1);
+  bnCheckPerChannel(orUndefined(runningMean), C, "running_mean");
+  bnCheckPerChannel(orUndefined(runningVar), C, "running_var");
+  bnCheckPerChannel(orUndefined(weight), C, "weight");
+  bnCheckPerChannel(orUndefined(bias), C, "bias");
   return SyncBatchNormFunction::apply(x, weight, bias, runningMean, runningVar, numBatchesTracked,
                                       eps, momentum, group, hostCount);
 }

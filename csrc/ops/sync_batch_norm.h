@@ -17,12 +17,14 @@ namespace ringreduce {
 // semantics:
 //   forward:  bnStatsPack -> all-reduce SUM of the fp64 [3, C] pack ->
 //             bnFinalize -> bnForward (running stats updated in place when
-//             given: momentum, or the cumulative average when momentum < 0);
+//             given: momentum, any value, or the cumulative average when it
+//             is nullopt);
 //   backward: bnBackwardReduce -> all-reduce SUM of the fp64 [2, C] sums
 //             (only when x needs a gradient) -> bnBackwardElemt; the weight
 //             and bias gradients are local (DDP reduces them).
 // weight/bias/running stats are in the stat dtype (float32, or float64 for
-// float64 x) or absent. With hostCount (CPU tensors only) the global count is
+// float64 x) or absent, of any stride; a wrong size raises nn's RuntimeError
+// before any collective. With hostCount (CPU tensors only) the global count is
 // read on the host: one value per channel over the group raises nn's
 // ValueError, and an empty global batch leaves the running stats untouched.
 // Otherwise the host never syncs (the CUDA way): the error comes from shapes
@@ -33,7 +35,7 @@ at::Tensor syncBatchNormTrain(const at::Tensor& x, const std::optional<at::Tenso
                               const std::optional<at::Tensor>& runningMean,
                               const std::optional<at::Tensor>& runningVar,
                               const std::optional<at::Tensor>& numBatchesTracked, double eps,
-                              double momentum,
+                              std::optional<double> momentum,
                               const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                               bool hostCount);
 

@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <ATen/MemoryOverlap.h>
+
 #include "kernels/cuda/sync_bn_kernels.h"
 #include "kernels/sync_bn_impl.h"
 
@@ -28,8 +30,16 @@ void check(cudaError_t err, const char* kernel) {
               cudaGetErrorString(err));
 }
 
-const void* ptrOrNull(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->contiguous().data_ptr() : nullptr;
+bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// A per-channel vector's data, contiguous: t's own, or a copy kept alive in
+// *holder (the kernels read C values in a row); null when t is absent.
+const void* channelData(const std::optional<at::Tensor>& t, int64_t channels, const char* name,
+                        at::Tensor* holder) {
+  if (!has(t)) return nullptr;
+  bnCheckPerChannel(*t, channels, name);
+  *holder = t->contiguous();
+  return holder->const_data_ptr();
 }
 
 cudaStream_t stream() {
@@ -68,23 +78,41 @@ at::Tensor bnForward(const at::Tensor& input, const at::Tensor& mean, const at::
                      const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& runningMean,
                      const std::optional<at::Tensor>& runningVar,
-                     const std::optional<at::Tensor>& numBatchesTracked, double momentum) {
+                     const std::optional<at::Tensor>& numBatchesTracked,
+                     std::optional<double> momentum) {
   c10::cuda::CUDAGuard guard(input.device());
   at::Tensor x;
   BnLayout l = bnLayoutOf(input, &x);
+  const int64_t C = l.channels;
   const DType stat = dtypeOf(mean);
+  at::Tensor m, r, v, w, b;
+  const void* meanData = channelData(mean, C, "mean", &m);
+  const void* invstdData = channelData(invstd, C, "invstd", &r);
+  const void* varData = channelData(varUnbiased, C, "var_unbiased", &v);
+  const void* weightData = channelData(weight, C, "weight", &w);
+  const void* biasData = channelData(bias, C, "bias", &b);
   at::Tensor y = at::empty_like(x);
-  check(normalize(x.const_data_ptr(), y.data_ptr(), dtypeOf(x), l, mean.const_data_ptr(),
-                  invstd.const_data_ptr(), ptrOrNull(weight), ptrOrNull(bias), stat, stream()),
+  check(normalize(x.const_data_ptr(), y.data_ptr(), dtypeOf(x), l, meanData, invstdData, weightData,
+                  biasData, stat, stream()),
         "normalize");
-  if (runningMean.has_value() && runningMean->defined()) {
-    TORCH_CHECK_VALUE(momentum >= 0 || (numBatchesTracked.has_value() && numBatchesTracked->defined()),
+  if (has(runningMean)) {
+    TORCH_CHECK_VALUE(momentum.has_value() || has(numBatchesTracked),
                       "[ringreduce] bn_forward: momentum=None needs num_batches_tracked");
-    const int64_t* nbt = momentum >= 0 ? nullptr : numBatchesTracked->const_data_ptr<int64_t>();
-    void* rv = runningVar.has_value() && runningVar->defined() ? runningVar->data_ptr() : nullptr;
-    check(updateRunningStats(runningMean->data_ptr(), rv, mean.const_data_ptr(),
-                             varUnbiased.const_data_ptr(), stat, l.channels, nbt, momentum, stream()),
+    const int64_t* nbt = momentum.has_value() ? nullptr : numBatchesTracked->const_data_ptr<int64_t>();
+    // Updated in place: the caller's tensors, or contiguous copies written back.
+    bnCheckPerChannel(*runningMean, C, "running_mean");
+    at::assert_no_internal_overlap(*runningMean);
+    at::Tensor rm = runningMean->contiguous(), rv;
+    if (has(runningVar)) {
+      bnCheckPerChannel(*runningVar, C, "running_var");
+      at::assert_no_internal_overlap(*runningVar);
+      rv = runningVar->contiguous();
+    }
+    check(updateRunningStats(rm.data_ptr(), rv.defined() ? rv.data_ptr() : nullptr, meanData,
+                             varData, stat, C, nbt, momentum.value_or(0.0), stream()),
           "update_running_stats");
+    if (!rm.is_same(*runningMean)) runningMean->copy_(rm);
+    if (rv.defined() && !rv.is_same(*runningVar)) runningVar->copy_(rv);
   }
   return y;
 }
@@ -95,8 +123,10 @@ at::Tensor bnBackwardReduce(const at::Tensor& dyIn, const at::Tensor& input, con
   BnLayout l = bnLayoutOf(input, &x);
   at::Tensor dy = bnGradLike(dyIn, x, __func__);
   at::Tensor sums = at::zeros({2, l.channels}, input.options().dtype(at::kDouble));
+  at::Tensor m;
+  const void* meanData = channelData(mean, l.channels, "mean", &m);
   if (l.numel() > 0) {
-    check(backwardReduce(dy.const_data_ptr(), x.const_data_ptr(), dtypeOf(x), l, mean.const_data_ptr(),
+    check(backwardReduce(dy.const_data_ptr(), x.const_data_ptr(), dtypeOf(x), l, meanData,
                          dtypeOf(mean), sums.data_ptr<double>(), stream()),
           "backward_reduce");
   }
@@ -112,9 +142,13 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& input, cons
   at::Tensor dy = bnGradLike(dyIn, x, __func__);
   at::Tensor sums = sumsIn.to(at::kDouble).contiguous();
   at::Tensor count = countIn.to(at::kDouble).contiguous();
+  at::Tensor m, r, w;
+  const void* meanData = channelData(mean, l.channels, "mean", &m);
+  const void* invstdData = channelData(invstd, l.channels, "invstd", &r);
+  const void* weightData = channelData(weight, l.channels, "weight", &w);
   at::Tensor dx = at::empty_like(x);
   check(backwardElemt(dy.const_data_ptr(), x.const_data_ptr(), dx.data_ptr(), dtypeOf(x), l,
-                      mean.const_data_ptr(), invstd.const_data_ptr(), ptrOrNull(weight), dtypeOf(mean),
+                      meanData, invstdData, weightData, dtypeOf(mean),
                       sums.const_data_ptr<double>(), count.const_data_ptr<double>(),
                       count.numel() == 1 ? 0 : 1, stream()),
         "backward_elemt");

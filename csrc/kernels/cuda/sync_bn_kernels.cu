@@ -110,7 +110,7 @@ __global__ void runningStatsKernel(S* rm, S* rv, const S* mean, const S* var, in
                                    const int64_t* nbt, double momentum) {
   const int64_t c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  const double f = momentum >= 0 ? momentum : 1.0 / static_cast<double>(*nbt);
+  const double f = nbt ? 1.0 / static_cast<double>(*nbt) : momentum;
   rm[c] = static_cast<S>((1 - f) * rm[c] + f * mean[c]);
   if (rv) rv[c] = static_cast<S>((1 - f) * rv[c] + f * var[c]);
 }

@@ -27,8 +27,9 @@ cudaError_t finalize(const double* pack, int64_t channels, double eps, DType sta
 cudaError_t normalize(const void* x, void* y, DType dtype, Layout l, const void* mean,
                       const void* invstd, const void* weight, const void* bias, DType statDtype,
                       cudaStream_t stream);
-// Running-stat update on the device: f = momentum, or 1/(*numBatchesTracked)
-// when momentum < 0 (no host sync). runningVar may be null.
+// Running-stat update on the device: f = 1/(*numBatchesTracked) when that is
+// given (the cumulative average; no host sync), else momentum (any value).
+// runningVar may be null.
 cudaError_t updateRunningStats(void* runningMean, void* runningVar, const void* mean,
                                const void* var, DType statDtype, int64_t channels,
                                const int64_t* numBatchesTracked, double momentum,
