@@ -40,10 +40,11 @@ GLOO_GAPS = [
     ("all_to_all", None, None, "uneven", None),  # needs equal sizes
     ("recv_any", None, None, None, 0),  # enforce fails on an empty message
 ] + [(name, dtype, R.PRODUCT, None, None)
-     for name in ("reduce", "reduce_scatter", "reduce_scatter_tensor") for dtype in _CPLX
+     for name in ("reduce", "reduce_scatter", "reduce_scatter_tensor",
+                  "reduce_scatter_tensor_coalesced") for dtype in _CPLX
      ] + [("gather", dtype, None, None, None) for dtype in _CPLX]
 # gloo's reduce-scatter works are never completed and have no future.
-GLOO_NO_FUTURE = {"reduce_scatter", "reduce_scatter_tensor"}
+GLOO_NO_FUTURE = {"reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"}
 
 
 def op_name(op):

@@ -180,6 +180,25 @@ def reduce_scatter_tensor(comm, dtype, count, op, exact=True, variant="plain"):
     return [Spec({}, call, [want], is_exact(dtype, op, exact), input_scale(flats))]
 
 
+def reduce_scatter_tensor_coalesced(comm, dtype, count, op, exact=True, variant="plain"):
+    """Two reduce_scatter_tensor calls under _coalescing_manager (FSDP's): one op."""
+    sizes = [count, 3]
+    flats = [_data(f"rstc{i}", comm, comm.n * s, dtype, op, exact) for i, s in enumerate(sizes)]
+    wants = [reduce_closed_form(f, op, dtype)[comm.rank * s:(comm.rank + 1) * s]
+             for f, s in zip(flats, sizes)]
+
+    def call(group, async_op):
+        device = comm.device_for(group)
+        outs = [torch.zeros(s, dtype=dtype, device=device) for s in sizes]
+        with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
+            for out, f in zip(outs, flats):
+                dist.reduce_scatter_tensor(out, _fresh(f[comm.rank], device), op=op, group=group)
+        return (cm.works[0] if async_op else None), outs
+
+    return [Spec({}, call, wants, is_exact(dtype, op, exact),
+                 max(input_scale(f) for f in flats))]
+
+
 # --------------------------------------------------------------------------
 # Data movement (op is ignored; inputs use every bit of the dtype)
 # --------------------------------------------------------------------------
@@ -257,6 +276,22 @@ def all_gather_coalesced(comm, dtype, count, op=None, exact=False, variant="plai
 
     expected = [data[i][r] for r in range(comm.n) for i in range(len(sizes))]
     return [Spec({}, call, expected, shared=len(expected))]
+
+
+def all_gather_into_tensor_coalesced(comm, dtype, count, op=None, exact=False, variant="plain"):
+    """Two all_gather_into_tensor calls under _coalescing_manager (FSDP's): one op."""
+    sizes = [count, 3]
+    data = [_data(f"agitc{i}", comm, s, dtype) for i, s in enumerate(sizes)]
+
+    def call(group, async_op):
+        device = comm.device_for(group)
+        outs = [torch.zeros(comm.n * s, dtype=dtype, device=device) for s in sizes]
+        with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
+            for out, d in zip(outs, data):
+                dist.all_gather_into_tensor(out, _fresh(d[comm.rank], device), group=group)
+        return (cm.works[0] if async_op else None), outs
+
+    return [Spec({}, call, [torch.cat(d) for d in data], shared=len(sizes))]
 
 
 def gather(comm, dtype, count, op=None, exact=False, variant="plain"):
@@ -338,12 +373,14 @@ REDUCING = {
     "reduce": (reduce, ["plain"]),
     "reduce_scatter": (reduce_scatter, ["plain"]),
     "reduce_scatter_tensor": (reduce_scatter_tensor, ["plain", "inplace"]),
+    "reduce_scatter_tensor_coalesced": (reduce_scatter_tensor_coalesced, ["plain"]),
 }
 MOVING = {
     "broadcast": (broadcast, ["plain", "transposed", "strided"]),
     "all_gather": (all_gather, ["plain", "strided"]),
     "all_gather_into_tensor": (all_gather_into_tensor, ["plain", "inplace"]),
     "all_gather_coalesced": (all_gather_coalesced, ["plain"]),
+    "all_gather_into_tensor_coalesced": (all_gather_into_tensor_coalesced, ["plain"]),
     "gather": (gather, ["plain"]),
     "scatter": (scatter, ["plain"]),
     "all_to_all_single": (all_to_all_single, ["plain", "uneven"]),

@@ -235,6 +235,50 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
                  std::move(stage), inputs);
 }
 
+c10::intrusive_ptr<c10d::Work> RingBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  OpContext ctx = nextContext("allgather_into_tensor_coalesced", inputs);
+  RR_CHECK_VALUE(!inputs.empty(), ctx, "needs at least one input tensor");
+  RR_CHECK_VALUE(outputs.size() == inputs.size(), ctx, "expected one output per input (",
+                 inputs.size(), "), got ", outputs.size());
+  int64_t total = 0;
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    const std::string i = std::to_string(j);
+    checkLike(ctx, inputs[j], inputs[0].scalar_type(), inputs[j].numel(), "input " + i);
+    checkLike(ctx, outputs[j], inputs[0].scalar_type(), inputs[j].numel() * getSize(),
+              "output " + i + " (world size x input " + i + ")");
+    checkWritable(ctx, outputs[j], "output " + i);
+    total += inputs[j].numel();
+  }
+  OpInfo op = makeOp(OpKind::kAllgather, "allgather_into_tensor_coalesced", inputs[0],
+                     kNoReduceOp, total);
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  DeviceStage stage = DeviceStage::begin(ctx, all);
+  std::vector<at::Tensor> ins = stage.in(inputs), outs = stage.out(outputs);
+  return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, outputs, opts.asyncOp,
+                 [ins, outs, total](const Comm& c) {
+                   // Rank r's block is its inputs end to end; output j takes
+                   // input j's slice of every block, in rank order.
+                   at::Tensor buf = at::empty({total * c.size}, ins[0].options());
+                   auto blocks = equalBlocks(buf, total, c.size);
+                   blocks[c.rank].copy_(flatten(ins));
+                   allgatherRing(c, blocksOf(blocks),
+                                 std::vector<size_t>(c.size, static_cast<size_t>(total)),
+                                 ins[0].element_size());
+                   int64_t offset = 0;
+                   for (size_t j = 0; j < outs.size(); ++j) {
+                     const int64_t n = ins[j].numel();
+                     std::vector<at::Tensor> pieces;
+                     for (const auto& b : blocks) pieces.push_back(b.narrow(0, offset, n));
+                     outs[j].copy_(at::cat(pieces).view(outs[j].sizes()));
+                     offset += n;
+                   }
+                 },
+                 std::move(stage), inputs);
+}
+
 c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {

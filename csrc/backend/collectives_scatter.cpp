@@ -100,6 +100,53 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
                  std::move(stage), {input});
 }
 
+c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  OpContext ctx = nextContext("reduce_scatter_tensor_coalesced", inputs);
+  RR_CHECK_VALUE(!outputs.empty(), ctx, "needs at least one output tensor");
+  RR_CHECK_VALUE(outputs.size() == inputs.size(), ctx, "expected one input per output (",
+                 outputs.size(), "), got ", inputs.size());
+  int64_t total = 0;
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    const std::string i = std::to_string(j);
+    checkLike(ctx, outputs[j], outputs[0].scalar_type(), outputs[j].numel(), "output " + i);
+    checkLike(ctx, inputs[j], outputs[0].scalar_type(), outputs[j].numel() * getSize(),
+              "input " + i + " (world size x output " + i + ")");
+    checkWritable(ctx, outputs[j], "output " + i);
+    total += outputs[j].numel();
+  }
+  ReduceFn fn = checkReduce(ctx, outputs[0].scalar_type(), opts.reduceOp);
+  OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor_coalesced", outputs[0],
+                     static_cast<uint8_t>(opts.reduceOp.op_), total);
+  auto reduceOp = opts.reduceOp;
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  DeviceStage stage = DeviceStage::begin(ctx, all);
+  std::vector<at::Tensor> ins = stage.in(inputs), outs = stage.out(outputs);
+  return enqueue(std::move(op), opts.timeout, c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+                 outputs, opts.asyncOp,
+                 [ins, outs, total, fn, reduceOp](const Comm& c) {
+                   // Block r (what rank r ends with) is every input's slice r
+                   // end to end.
+                   std::vector<at::Tensor> pieces;
+                   for (int r = 0; r < c.size; ++r) {
+                     for (size_t j = 0; j < ins.size(); ++j) {
+                       const int64_t n = outs[j].numel();
+                       pieces.push_back(ins[j].reshape(-1).narrow(0, r * n, n));
+                     }
+                   }
+                   at::Tensor mine = at::empty({total}, outs[0].options());
+                   reduceScatterInto(c, at::cat(pieces), mine, fn, reduceOp);
+                   int64_t offset = 0;
+                   for (const auto& o : outs) {
+                     o.copy_(mine.narrow(0, offset, o.numel()).view(o.sizes()));
+                     offset += o.numel();
+                   }
+                 },
+                 std::move(stage), inputs);
+}
+
 c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                           std::vector<int64_t>& outputSplits,
                                                           std::vector<int64_t>& inputSplits,

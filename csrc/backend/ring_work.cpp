@@ -33,7 +33,8 @@ const char* RingWork::profilingTitle(c10d::OpType type) {
     case T::GATHER: return "ringreduce:gather";
     case T::SCATTER: return "ringreduce:scatter";
     case T::REDUCE_SCATTER:
-    case T::_REDUCE_SCATTER_BASE: return "ringreduce:reduce_scatter";
+    case T::_REDUCE_SCATTER_BASE:
+    case T::REDUCE_SCATTER_TENSOR_COALESCED: return "ringreduce:reduce_scatter";
     case T::ALLTOALL:
     case T::ALLTOALL_BASE: return "ringreduce:all_to_all";
     case T::SEND: return "ringreduce:send";
