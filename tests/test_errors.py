@@ -828,6 +828,50 @@ def test_destroy_in_a_future_callback(bare_worlds, kind, keep_group):
         assert fds1 <= fds0 + LEAK_SLACK and threads1 <= threads0, out
 
 
+def _destroy_while_a_worker_callback_waits_for_p2p(ctx):
+    """Remote: rank 0's all_reduce callback (on the worker) waits for a message
+    no one sends; then an irecv's callback (on the p2p engine's thread)
+    destroys the group. What each callback gave."""
+    store = ctx.new_store("destroyworkerwait")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    t, y = torch.ones(4), torch.zeros(4)
+    if ctx.rank == 0:
+        def wait_for_nothing(fut):
+            return _outcome(lambda: dist.recv(torch.zeros(4), src=1, tag=9))
+
+        waiting = dist.all_reduce(t, async_op=True).get_future().then(wait_for_nothing)
+
+        def destroy(fut):
+            dist.destroy_process_group()
+            return "destroyed"
+
+        destroyed = dist.irecv(y, src=1, tag=8).get_future().then(destroy)
+        out = [destroyed.wait(), waiting.wait(), t, y]
+        store.set("destroyworkerwait/done", "1")
+    else:
+        time.sleep(0.3)
+        dist.all_reduce(t)
+        time.sleep(0.3)
+        dist.send(torch.full((4,), 8.0), dst=0, tag=8)
+        store.wait(["destroyworkerwait/done"], timedelta(seconds=30))
+        dist.destroy_process_group()
+        out = None
+    return out
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="ringreduce's threads")
+def test_destroy_in_a_p2p_callback_while_a_worker_callback_waits(bare_worlds):
+    """shutdown() joined the workers before it closed the transport: a worker
+    in a callback waiting for a receive that only the p2p engine completes,
+    and the engine's one thread in shutdown(), waited for each other."""
+    destroyed, waiting, t, y = bare_worlds(2).run(
+        _destroy_while_a_worker_callback_waits_for_p2p, timeout=60)[0]
+    assert destroyed == "destroyed"
+    assert "shut down" in waiting and "rank 0" in waiting, waiting
+    assert torch.equal(t, torch.full((4,), 2.0)) and torch.equal(y, torch.full((4,), 8.0))
+
+
 def _destroy_with_an_op_in_flight(ctx, shm):
     """Remote: rank 0 starts an all_reduce and destroys the group 0.3 s later,
     before rank 1 has joined it; rank 1 joins at 1 s, when rank 0's data is

@@ -140,3 +140,32 @@ def test_point_to_point_callbacks_can_wait_for_point_to_point_ops(worlds):
     assert torch.equal(got[4], torch.full((16,), 60.0))
     assert torch.equal(seven, torch.full((16,), 7.0))
     assert torch.equal(after, torch.full((16,), 8.0))
+
+
+def _wait_for_a_completion_of_the_same_batch(ctx):
+    """Remote: rank 0's tag-0 callback sleeps while tags 1 and 3 arrive, so the
+    engine reads both at once; tag 1's callback then waits for tag 3's Work,
+    whose completion came in the same read."""
+    if ctx.rank == 0:
+        got = {tag: torch.zeros(16) for tag in (0, 1, 3)}
+        works = {tag: dist.irecv(got[tag], src=1, tag=tag) for tag in got}
+        slow = works[0].get_future().then(lambda f: time.sleep(0.5))
+        waiting = works[1].get_future().then(lambda f: works[3].wait())
+        out = [waiting.wait(), slow.wait(), got]
+    else:
+        dist.send(torch.zeros(16), dst=0, tag=0)
+        time.sleep(0.1)
+        dist.send(torch.ones(16), dst=0, tag=1)
+        dist.send(torch.full((16,), 3.0), dst=0, tag=3)
+        out = None
+    dist.barrier()
+    return out
+
+
+def test_a_callback_waits_for_a_completion_read_with_its_own(worlds):
+    """Completions collected together used to run as one batch on one thread:
+    a callback waiting for a later one of the batch waited forever."""
+    waited, _, got = worlds.run(2, _wait_for_a_completion_of_the_same_batch, timeout=60)[0]
+    assert waited is True
+    for tag in (0, 1, 3):
+        assert torch.equal(got[tag], torch.full((16,), float(tag))), tag

@@ -34,6 +34,18 @@ at::Tensor flatten(const std::vector<at::Tensor>& ts) {
   return at::cat(flat);
 }
 
+// Ring allgather of every rank's inputs laid end to end (`total` elements):
+// block r holds rank r's.
+std::vector<at::Tensor> allgatherFlat(const Comm& c, const std::vector<at::Tensor>& ins,
+                                      int64_t total) {
+  at::Tensor buf = at::empty({total * c.size}, ins[0].options());
+  auto blocks = equalBlocks(buf, total, c.size);
+  blocks[c.rank].copy_(flatten(ins));
+  allgatherRing(c, blocksOf(blocks), std::vector<size_t>(c.size, static_cast<size_t>(total)),
+                ins[0].element_size());
+  return blocks;
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -218,12 +230,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
   for (const auto& l : outputLists) outs.push_back(stage.out(l));
   return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, flatOuts, opts.asyncOp,
                  [ins, outs, total](const Comm& c) {
-                   at::Tensor all = at::empty({total * c.size}, ins[0].options());
-                   auto blocks = equalBlocks(all, total, c.size);
-                   blocks[c.rank].copy_(flatten(ins));
-                   allgatherRing(c, blocksOf(blocks),
-                                 std::vector<size_t>(c.size, static_cast<size_t>(total)),
-                                 ins[0].element_size());
+                   auto blocks = allgatherFlat(c, ins, total);
                    for (int r = 0; r < c.size; ++r) {
                      int64_t offset = 0;
                      for (const auto& t : outs[r]) {
@@ -239,17 +246,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   OpContext ctx = nextContext("allgather_into_tensor_coalesced", inputs);
-  RR_CHECK_VALUE(!inputs.empty(), ctx, "needs at least one input tensor");
-  RR_CHECK_VALUE(outputs.size() == inputs.size(), ctx, "expected one output per input (",
-                 inputs.size(), "), got ", outputs.size());
-  int64_t total = 0;
-  for (size_t j = 0; j < inputs.size(); ++j) {
-    const std::string i = std::to_string(j);
-    checkLike(ctx, inputs[j], inputs[0].scalar_type(), inputs[j].numel(), "input " + i);
-    checkLike(ctx, outputs[j], inputs[0].scalar_type(), inputs[j].numel() * getSize(),
-              "output " + i + " (world size x input " + i + ")");
-    checkWritable(ctx, outputs[j], "output " + i);
-    total += inputs[j].numel();
+  const int64_t total = checkCoalescedPairs(ctx, inputs, "input", outputs, "output", getSize());
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    checkWritable(ctx, outputs[j], "output " + std::to_string(j));
   }
   OpInfo op = makeOp(OpKind::kAllgather, "allgather_into_tensor_coalesced", inputs[0],
                      kNoReduceOp, total);
@@ -259,14 +258,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_into_tensor_coalesced(
   std::vector<at::Tensor> ins = stage.in(inputs), outs = stage.out(outputs);
   return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, outputs, opts.asyncOp,
                  [ins, outs, total](const Comm& c) {
-                   // Rank r's block is its inputs end to end; output j takes
-                   // input j's slice of every block, in rank order.
-                   at::Tensor buf = at::empty({total * c.size}, ins[0].options());
-                   auto blocks = equalBlocks(buf, total, c.size);
-                   blocks[c.rank].copy_(flatten(ins));
-                   allgatherRing(c, blocksOf(blocks),
-                                 std::vector<size_t>(c.size, static_cast<size_t>(total)),
-                                 ins[0].element_size());
+                   // Output j takes input j's slice of every rank's block, in
+                   // rank order.
+                   auto blocks = allgatherFlat(c, ins, total);
                    int64_t offset = 0;
                    for (size_t j = 0; j < outs.size(); ++j) {
                      const int64_t n = ins[j].numel();

@@ -104,17 +104,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   OpContext ctx = nextContext("reduce_scatter_tensor_coalesced", inputs);
-  RR_CHECK_VALUE(!outputs.empty(), ctx, "needs at least one output tensor");
-  RR_CHECK_VALUE(outputs.size() == inputs.size(), ctx, "expected one input per output (",
-                 outputs.size(), "), got ", inputs.size());
-  int64_t total = 0;
+  const int64_t total = checkCoalescedPairs(ctx, outputs, "output", inputs, "input", getSize());
   for (size_t j = 0; j < outputs.size(); ++j) {
-    const std::string i = std::to_string(j);
-    checkLike(ctx, outputs[j], outputs[0].scalar_type(), outputs[j].numel(), "output " + i);
-    checkLike(ctx, inputs[j], outputs[0].scalar_type(), outputs[j].numel() * getSize(),
-              "input " + i + " (world size x output " + i + ")");
-    checkWritable(ctx, outputs[j], "output " + i);
-    total += outputs[j].numel();
+    checkWritable(ctx, outputs[j], "output " + std::to_string(j));
   }
   ReduceFn fn = checkReduce(ctx, outputs[0].scalar_type(), opts.reduceOp);
   OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor_coalesced", outputs[0],

@@ -142,6 +142,11 @@ void RingBackend::shutdown() {
     std::unique_lock<std::mutex> lock(mu_);
     idleCv_.wait(lock, [this] { return !running_ || tRunningOps; });
   }
+  // Closed before the workers are joined: no op runs any more, but a worker's
+  // Future callback may wait for a point-to-point op that only the transport's
+  // threads complete, and this may be one of those threads (a p2p callback
+  // that destroys the group). Closing fails such ops.
+  transport_->close();
   for (auto& t : workers) {
     // shutdown() from a worker's own Future callback: that worker leaves its
     // loop once the callback returns (stopping_ is set); it cannot join itself.
@@ -151,7 +156,6 @@ void RingBackend::shutdown() {
       t.join();
     }
   }
-  transport_->close();
 }
 
 void RingBackend::abort() {
@@ -350,6 +354,11 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
 }
 
 void RingBackend::workerLoop() {
+  // Once this worker has run an op it keeps the object (not the backend: it
+  // still shuts down with its last strong reference) until it leaves this
+  // loop: a shutdown() in one of its callbacks detaches it, and it then comes
+  // back here, to mu_ and cv_, with no other reference to rely on.
+  c10::weak_intrusive_ptr<RingBackend> weak{c10::intrusive_ptr<RingBackend>()};
   while (true) {
     Entry e;
     {
@@ -361,11 +370,11 @@ void RingBackend::workerLoop() {
       e = popFrontLocked();
     }
     // A strong reference for the op and its callbacks (one may drop the last
-    // other one), a weak one for after it: when dropping `self` shuts the
-    // backend down on this thread, `weak` keeps the object until this loop has
-    // left it. Null for a backend not made by create() (the old way: the
-    // thread dropping the last reference joins this one).
-    c10::weak_intrusive_ptr<RingBackend> weak = weakSelf();
+    // other one); when dropping it shuts the backend down on this thread,
+    // `weak` keeps the object until this loop has left it. Null for a backend
+    // not made by create() (the old way: the thread dropping the last
+    // reference joins this one).
+    if (weak._unsafe_get_target() == nullptr) weak = weakSelf();
     c10::intrusive_ptr<RingBackend> self = weak.lock();
     const bool held = self.defined();
     runAndSettle(e, true);

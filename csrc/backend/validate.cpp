@@ -21,6 +21,23 @@ void checkTensor(const OpContext& ctx, const at::Tensor& t, const std::string& w
                  what, " has unsupported dtype ", dtypeName(t.scalar_type()));
 }
 
+int64_t checkCoalescedPairs(const OpContext& ctx, const std::vector<at::Tensor>& small,
+                            const std::string& smallName, const std::vector<at::Tensor>& large,
+                            const std::string& largeName, int worldSize) {
+  RR_CHECK_VALUE(!small.empty(), ctx, "needs at least one ", smallName, " tensor");
+  RR_CHECK_VALUE(large.size() == small.size(), ctx, "expected one ", largeName, " per ",
+                 smallName, " (", small.size(), "), got ", large.size());
+  int64_t total = 0;
+  for (size_t j = 0; j < small.size(); ++j) {
+    const std::string i = std::to_string(j);
+    checkLike(ctx, small[j], small[0].scalar_type(), small[j].numel(), smallName + " " + i);
+    checkLike(ctx, large[j], small[0].scalar_type(), small[j].numel() * worldSize,
+              largeName + " " + i + " (world size x " + smallName + " " + i + ")");
+    total += small[j].numel();
+  }
+  return total;
+}
+
 void checkWritable(const OpContext& ctx, const at::Tensor& t, const std::string& what) {
   checkTensor(ctx, t, what);
   RR_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, ctx, what, " is ",

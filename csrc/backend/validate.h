@@ -25,6 +25,12 @@ const at::Tensor& single(const OpContext& ctx, const std::vector<at::Tensor>& ts
 // t is checkTensor-valid, has `dtype` and `numel` elements.
 void checkLike(const OpContext& ctx, const at::Tensor& t, c10::ScalarType dtype, int64_t numel,
                const std::string& what);
+// The pairs of a coalesced tensor op: each `small` tensor (dtype of the first)
+// has a `large` one of world size times its elements. Returns the total of
+// `small`'s elements.
+int64_t checkCoalescedPairs(const OpContext& ctx, const std::vector<at::Tensor>& small,
+                            const std::string& smallName, const std::vector<at::Tensor>& large,
+                            const std::string& largeName, int worldSize);
 // A list of exactly `n` tensors, each like (dtype, numel).
 void checkList(const OpContext& ctx, const std::vector<at::Tensor>& ts, size_t n,
                c10::ScalarType dtype, int64_t numel, const std::string& what);

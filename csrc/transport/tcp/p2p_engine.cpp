@@ -99,7 +99,10 @@ void P2PEngine::stop() {
     stopping_ = true;
     threads.swap(threads_);
     // Here, not only in the threads: one of them may be in a callback that
-    // waits for a pending op, and this thread may be another one's callback.
+    // waits for a pending op or a collected completion, and this thread may be
+    // another one's callback.
+    done.assign(std::make_move_iterator(ready_.begin()), std::make_move_iterator(ready_.end()));
+    ready_.clear();
     failAll("the process group was shut down", done);
   }
   turnCv_.notify_all();
@@ -384,20 +387,28 @@ void P2PEngine::expire(std::vector<Completion>& done) {
   }
 }
 
-void P2PEngine::deliver(std::vector<Completion>& done, std::string& fatalReason) {
-  if (done.empty() && fatalReason.empty()) return;
-  {
+void P2PEngine::drain(std::string& fatalReason) {
+  while (true) {
+    Completion c;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (ready_.empty()) break;
+      c = std::move(ready_.front());
+      ready_.pop_front();
+      ++inCallbacks_;
+    }
+    c.first(c.second.first, c.second.second);
     std::lock_guard<std::mutex> lock(mu_);
-    ++inCallbacks_;
+    --inCallbacks_;
   }
-  for (auto& [cb, args] : done) cb(args.first, args.second);
-  done.clear();
+  if (fatalReason.empty()) return;
   bool stopping;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping = stopping_;  // a callback may have stopped the engine: the owner may be gone
+    ++inCallbacks_;        // onFatal_ fails the transport's ops: callbacks run here
   }
-  if (!fatalReason.empty() && onFatal_ && !stopping) onFatal_(fatalReason);
+  if (onFatal_ && !stopping) onFatal_(fatalReason);
   fatalReason.clear();
   std::lock_guard<std::mutex> lock(mu_);
   --inCallbacks_;
@@ -405,7 +416,15 @@ void P2PEngine::deliver(std::vector<Completion>& done, std::string& fatalReason)
 
 void P2PEngine::beforeBlocking() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_ || inCallbacks_ < threads_.size()) return;
+  if (stopping_) return;
+  if (inCallbacks_ < threads_.size()) {
+    // A thread waiting for its turn, or the one polling, runs what is ready.
+    if (!ready_.empty()) {
+      turnCv_.notify_all();
+      wake();
+    }
+    return;
+  }
   try {
     spawnLocked();
   } catch (const std::exception& err) {
@@ -419,21 +438,29 @@ void P2PEngine::loop() {
   std::vector<int> peers;
   std::vector<Completion> done;
   std::string fatalReason;
+  const auto collect = [&] {  // mu_ held
+    for (auto& d : done) ready_.push_back(std::move(d));
+    done.clear();
+    std::swap(fatalReason, fatal_);
+  };
   while (true) {
+    drain(fatalReason);
     int timeoutMs = -1;
     {
       std::unique_lock<std::mutex> lock(mu_);
       // One thread polls at a time; another started for a callback that
-      // blocked waits here for its turn.
+      // blocked waits here for its turn, or runs what is ready meanwhile.
       ++waiting_;
-      turnCv_.wait(lock, [this] { return !polling_ || stopping_; });
+      turnCv_.wait(lock, [this] { return !polling_ || stopping_ || !ready_.empty(); });
       --waiting_;
       if (stopping_) {
         failAll("the process group was shut down", done);
+        collect();
         lock.unlock();
-        deliver(done, fatalReason);
+        drain(fatalReason);
         return;
       }
+      if (!ready_.empty()) continue;
       pfds.clear();
       peers.clear();
       matchBuffered(done);
@@ -453,12 +480,9 @@ void P2PEngine::loop() {
       for (auto& q : sends_) if (!q.empty()) earliest = std::min(earliest, q.front().op.deadline);
       for (auto& r : recvs_) earliest = std::min(earliest, r.op.deadline);
       if (earliest != Clock::time_point::max()) timeoutMs = millisUntil(earliest) + 1;
-      std::swap(fatalReason, fatal_);
-      polling_ = done.empty() && fatalReason.empty();
-    }
-    if (!done.empty() || !fatalReason.empty()) {
-      deliver(done, fatalReason);
-      continue;
+      collect();
+      if (!ready_.empty() || !fatalReason.empty()) continue;  // run those first
+      polling_ = true;
     }
     pfds.push_back({wakePipe_[0], POLLIN, 0});
     poll(pfds.data(), pfds.size(), timeoutMs);
@@ -478,10 +502,11 @@ void P2PEngine::loop() {
         if (wantsRead(peers[i])) readFrom(peers[i], done);
       }
       if (failed_.empty() && !stopping_) expire(done);
-      std::swap(fatalReason, fatal_);
+      collect();
     }
-    if (handOff) turnCv_.notify_one();
-    deliver(done, fatalReason);
+    // Every waiter: one that finds completions ready runs them and does not
+    // poll, and the next must not be left asleep.
+    if (handOff) turnCv_.notify_all();
   }
 }
 

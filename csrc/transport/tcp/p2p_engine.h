@@ -95,10 +95,12 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   void loop();
   // Starts one more thread running loop(); mu_ held.
   void spawnLocked();
-  // Runs completions, then onFatal_ unless stop() came meanwhile; no lock held.
-  void deliver(std::vector<Completion>& done, std::string& fatalReason);
-  // A wait on an engine thread is about to block (common/wait_hook.h): starts
-  // another thread if every one is running completions.
+  // Runs the ready completions one at a time, oldest first (while one blocks
+  // in a callback, another thread takes the next), then onFatal_ with
+  // `fatalReason` unless stop() came meanwhile; no lock held.
+  void drain(std::string& fatalReason);
+  // A wait on an engine thread is about to block (common/wait_hook.h): another
+  // thread takes over, started if every one is running completions.
   void beforeBlocking();
   bool wantsRead(int peer) const;
   void matchHeader(int peer, std::vector<Completion>& done);
@@ -135,6 +137,7 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   std::function<void(const std::string&)> onFatal_;
   std::function<std::string(const std::string&)> explain_;
   bool stopping_ = false;
+  std::deque<Completion> ready_;      // collected, not yet run (drain())
   std::vector<std::thread> threads_;  // each runs loop() and owns the engine
   size_t inCallbacks_ = 0;            // threads running completions
   bool polling_ = false;              // a thread polls (or reads and writes)
