@@ -155,3 +155,42 @@ def _key(i):
 @pytest.mark.parametrize("world_size", SIZES)
 def test_ddp_matches_gloo_and_full_batch(worlds, world_size):
     assert_cases(worlds.run(world_size, ddp_training), min_checks=12)
+
+
+def _fsdp_train(rank, group):
+    """FSDP2 (`fully_shard`, each Linear and the whole model) over `group`:
+    parameters sharded, all-gathered for each forward and backward, gradients
+    reduce-scattered. Every rank starts from the same weights (FSDP2 does
+    not broadcast them). The full final parameters."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed=0)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _train(model, [_batch(rank, s) for s in range(STEPS)])
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def fsdp_training(ctx):
+    """Remote: FSDP2 on the group under test against FSDP2 on gloo and the
+    single-process full-batch training."""
+    cases = Cases(ctx, "fsdp")
+    tested = _fsdp_train(ctx.rank, dist.group.WORLD)
+    oracle = _fsdp_train(ctx.rank, ctx.oracle)
+    reference = _full_batch_train(ctx.world_size)
+    for i, (t, o, r) in enumerate(zip(tested, oracle, reference)):
+        with cases.case(param=i):
+            cases.true(_rel_diff(t, o) < 1e-5, f"vs gloo FSDP: rel diff {_rel_diff(t, o):.3g}")
+            cases.true(_rel_diff(t, r) < 1e-5, f"vs full batch: rel diff {_rel_diff(t, r):.3g}")
+            cases.true(_rel_diff(t, _model(0).state_dict()[_key(i)]) > 1e-3, "did not train")
+            cases.record_digest([t])
+    return cases.result()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_matches_gloo_and_full_batch(worlds, world_size):
+    assert_cases(worlds.run(world_size, fsdp_training, timeout=120), min_checks=12)
