@@ -181,7 +181,7 @@ def reduce_scatter_tensor(comm, dtype, count, op, exact=True, variant="plain"):
 
 
 def reduce_scatter_tensor_coalesced(comm, dtype, count, op, exact=True, variant="plain"):
-    """Two reduce_scatter_tensor calls under _coalescing_manager (FSDP's): one op."""
+    """Two reduce_scatter_tensor calls under _coalescing_manager: one op."""
     sizes = [count, 3]
     flats = [_data(f"rstc{i}", comm, comm.n * s, dtype, op, exact) for i, s in enumerate(sizes)]
     wants = [reduce_closed_form(f, op, dtype)[comm.rank * s:(comm.rank + 1) * s]
@@ -279,7 +279,7 @@ def all_gather_coalesced(comm, dtype, count, op=None, exact=False, variant="plai
 
 
 def all_gather_into_tensor_coalesced(comm, dtype, count, op=None, exact=False, variant="plain"):
-    """Two all_gather_into_tensor calls under _coalescing_manager (FSDP's): one op."""
+    """Two all_gather_into_tensor calls under _coalescing_manager: one op."""
     sizes = [count, 3]
     data = [_data(f"agitc{i}", comm, s, dtype) for i, s in enumerate(sizes)]
 

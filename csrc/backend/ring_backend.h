@@ -65,8 +65,8 @@ class RingBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
       std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
-  // all_gather_into_tensor / reduce_scatter_tensor under _coalescing_manager
-  // (FSDP's): one op over the inputs laid end to end.
+  // all_gather_into_tensor / reduce_scatter_tensor under _coalescing_manager:
+  // one op over the inputs laid end to end.
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
