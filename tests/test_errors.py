@@ -745,7 +745,9 @@ def _destroy_in_a_callback(ctx, kind, keep_group, round_):
     kind "recv": an irecv's, on the p2p engine's thread; "all_reduce": an
     async all_reduce's, on the worker; "nested": that callback's own
     all_reduce, waited for in it, so its callback runs in a helping wait() on
-    the worker. `keep_group`: rank 0 keeps the backend (and posts a send on it
+    the worker (or on a second worker); "nested_future": the same waited
+    through its Future, so a second worker runs it and destroys the group
+    while the first waits in its callback. `keep_group`: rank 0 keeps the backend (and posts a send on it
     after), else the callback drops the group's last reference. What rank 0's
     Future gave, the data, the later send's error, and (fds, threads) before
     and after, for leaks."""
@@ -773,7 +775,10 @@ def _destroy_in_a_callback(ctx, kind, keep_group, round_):
             def nested(f):
                 inner = dist.all_reduce(second, async_op=True)
                 done = inner.get_future().then(destroy)
-                inner.wait()
+                if kind == "nested":
+                    inner.wait()  # runs `inner` here, or waits for the worker that does
+                else:
+                    inner.get_future().wait()  # another worker runs it and destroys
                 return done.wait()
 
             work = dist.all_reduce(first, async_op=True)
@@ -791,7 +796,7 @@ def _destroy_in_a_callback(ctx, kind, keep_group, round_):
             dist.send(torch.arange(8, dtype=torch.float32), dst=0)
         else:
             dist.all_reduce(first)
-            if kind == "nested":
+            if kind.startswith("nested"):
                 dist.all_reduce(second)
         store.wait([f"{name}/done"], timedelta(seconds=30))
         dist.destroy_process_group()
@@ -805,18 +810,20 @@ def _destroy_in_a_callback(ctx, kind, keep_group, round_):
 
 @pytest.mark.skipif(backend_under_test() != "ringreduce", reason="ringreduce's threads")
 @pytest.mark.parametrize("keep_group", [True, False])
-@pytest.mark.parametrize("kind", ["recv", "all_reduce", "nested"])
+@pytest.mark.parametrize("kind", ["recv", "all_reduce", "nested", "nested_future"])
 def test_destroy_in_a_future_callback(bare_worlds, kind, keep_group):
     """destroy_process_group() in a Future callback that runs on one of our
     threads. On the p2p engine's thread, stopping the engine joined that
     thread itself (std::terminate), and dropping the last reference freed the
     engine under it. In a helping wait(), the backend's destructor took the
-    lock that wait held (a hang). Twice, so a leaked thread or descriptor
-    would show."""
+    lock that wait held (a hang). On a second worker, shutdown() joined the
+    first, which waited in its callback for the Work being completed (a
+    hang). Twice, so a leaked thread or descriptor would show."""
     world = bare_worlds(2)
     expected = {"recv": [torch.arange(8, dtype=torch.float32), torch.full((8,), 10.0)],
                 "all_reduce": [torch.full((8,), 3.0), torch.full((8,), 10.0)],
-                "nested": [torch.full((8,), 3.0), torch.full((8,), 30.0)]}[kind]
+                "nested": [torch.full((8,), 3.0), torch.full((8,), 30.0)],
+                "nested_future": [torch.full((8,), 3.0), torch.full((8,), 30.0)]}[kind]
     for round_ in range(2):
         out = world.run(_destroy_in_a_callback, kind, keep_group, round_, timeout=60)[0]
         assert out["future"] == "destroyed", out

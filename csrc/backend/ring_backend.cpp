@@ -10,6 +10,7 @@
 #include "backend/validate.h"
 #include "common/env.h"
 #include "common/gil.h"
+#include "common/wait_hook.h"
 #include "common/thread_name.h"
 #include "transport/factory.h"
 #include "transport/mesh.h"
@@ -59,16 +60,20 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   // Shared memory with the ranks on this host, TCP with the others; the TCP
   // mesh underneath carries point-to-point and spreads failures.
   transport_ = connectGroup(store, rank, size, timeout);
-  std::lock_guard<std::mutex> lock(mu_);
-  spawnWorkerLocked();
+  // The first worker starts in create(), once it can hold a weak reference;
+  // enqueue() starts it for a backend made otherwise.
 }
 
 c10::intrusive_ptr<RingBackend> RingBackend::create(const c10::intrusive_ptr<c10d::Store>& store,
                                                     int rank, int size,
                                                     std::chrono::milliseconds timeout) {
   auto backend = c10::make_intrusive<RingBackend>(store, rank, size, timeout);
-  std::lock_guard<std::mutex> lock(backend->gate_->mu);
-  backend->gate_->self = c10::weak_intrusive_ptr<RingBackend>(backend);
+  {
+    std::lock_guard<std::mutex> lock(backend->gate_->mu);
+    backend->gate_->self = c10::weak_intrusive_ptr<RingBackend>(backend);
+  }
+  std::lock_guard<std::mutex> lock(backend->mu_);
+  backend->spawnWorkerLocked();
   return backend;
 }
 
@@ -78,9 +83,12 @@ c10::weak_intrusive_ptr<RingBackend> RingBackend::weakSelf() const {
 }
 
 void RingBackend::spawnWorkerLocked() {
-  workers_.emplace_back([this] {
+  // Each worker keeps the object (not the backend: it still shuts down with
+  // its last strong reference) until it leaves its loop, so shutdown() may
+  // detach it (from a callback, where joining could wait for this thread).
+  workers_.emplace_back([this, weak = weakSelf()] {
     nameThisThread("rr-worker");
-    workerLoop();
+    workerLoop(weak);
   });
 }
 
@@ -147,10 +155,14 @@ void RingBackend::shutdown() {
   // threads complete, and this may be one of those threads (a p2p callback
   // that destroys the group). Closing fails such ops.
   transport_->close();
+  // From a Future's callback on one of our threads (a worker, a helping
+  // wait(), the p2p engine), another worker may be in a callback waiting for
+  // the Work this thread is completing: joining it would wait forever. The
+  // workers hold the object until they leave their loops (stopping_ is set),
+  // so they are let go; this thread cannot join itself either.
+  const bool fromCallback = tSettlingDepth > 0 || blockingHook().fn != nullptr;
   for (auto& t : workers) {
-    // shutdown() from a worker's own Future callback: that worker leaves its
-    // loop once the callback returns (stopping_ is set); it cannot join itself.
-    if (t.get_id() == std::this_thread::get_id()) {
+    if (fromCallback || t.get_id() == std::this_thread::get_id()) {
       t.detach();
     } else {
       t.join();
@@ -216,6 +228,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
       work->fail(transportError(e.op.ctx.message("the process group was shut down")));
       return work;
     }
+    if (workers_.empty()) spawnWorkerLocked();  // a backend not made by create()
     if (asyncOp || !queue_.empty() || running_ || !(e.nested || mayRunLocked())) {
       work->setHelper([gate = gate_](RingWork* w) {
         if (tRunningOps) return;
@@ -353,12 +366,7 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
   }
 }
 
-void RingBackend::workerLoop() {
-  // Once this worker has run an op it keeps the object (not the backend: it
-  // still shuts down with its last strong reference) until it leaves this
-  // loop: a shutdown() in one of its callbacks detaches it, and it then comes
-  // back here, to mu_ and cv_, with no other reference to rely on.
-  c10::weak_intrusive_ptr<RingBackend> weak{c10::intrusive_ptr<RingBackend>()};
+void RingBackend::workerLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) {
   while (true) {
     Entry e;
     {
@@ -374,7 +382,6 @@ void RingBackend::workerLoop() {
     // `weak` keeps the object until this loop has left it. Null for a backend
     // not made by create() (the old way: the thread dropping the last
     // reference joins this one).
-    if (weak._unsafe_get_target() == nullptr) weak = weakSelf();
     c10::intrusive_ptr<RingBackend> self = weak.lock();
     const bool held = self.defined();
     runAndSettle(e, true);

@@ -197,7 +197,7 @@ class RingBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;
-  void workerLoop();
+  void workerLoop(const c10::weak_intrusive_ptr<RingBackend>& weak);
   // Workers: one at first; another whenever work is queued while every one
   // is inside a Future's callbacks (which may wait for that work). With mu_.
   void spawnWorkerLocked();
