@@ -133,19 +133,25 @@ def _rel_diff(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def ddp_training(ctx):
-    """Remote: final parameters of the three trainings."""
-    cases = Cases(ctx, "ddp")
-    tested = _ddp_train(ctx.rank, None)
-    oracle = _ddp_train(ctx.rank, ctx.oracle)
+def _compare_trainings(ctx, name, train, tested_group, oracle_group):
+    """Final parameters of `train` on the group under test against the same
+    on gloo and the single-process full-batch training."""
+    cases = Cases(ctx, name)
+    tested = train(ctx.rank, tested_group)
+    oracle = train(ctx.rank, oracle_group)
     reference = _full_batch_train(ctx.world_size)
     for i, (t, o, r) in enumerate(zip(tested, oracle, reference)):
         with cases.case(param=i):
-            cases.true(_rel_diff(t, o) < 1e-5, f"vs gloo DDP: rel diff {_rel_diff(t, o):.3g}")
+            cases.true(_rel_diff(t, o) < 1e-5, f"vs gloo {name}: rel diff {_rel_diff(t, o):.3g}")
             cases.true(_rel_diff(t, r) < 1e-5, f"vs full batch: rel diff {_rel_diff(t, r):.3g}")
             cases.true(_rel_diff(t, _model(0).state_dict()[_key(i)]) > 1e-3, "did not train")
             cases.record_digest([t])
     return cases.result()
+
+
+def ddp_training(ctx):
+    """Remote: final parameters of the three trainings."""
+    return _compare_trainings(ctx, "ddp", _ddp_train, None, ctx.oracle)
 
 
 def _key(i):
@@ -178,17 +184,7 @@ def _fsdp_train(rank, group):
 def fsdp_training(ctx):
     """Remote: FSDP2 on the group under test against FSDP2 on gloo and the
     single-process full-batch training."""
-    cases = Cases(ctx, "fsdp")
-    tested = _fsdp_train(ctx.rank, dist.group.WORLD)
-    oracle = _fsdp_train(ctx.rank, ctx.oracle)
-    reference = _full_batch_train(ctx.world_size)
-    for i, (t, o, r) in enumerate(zip(tested, oracle, reference)):
-        with cases.case(param=i):
-            cases.true(_rel_diff(t, o) < 1e-5, f"vs gloo FSDP: rel diff {_rel_diff(t, o):.3g}")
-            cases.true(_rel_diff(t, r) < 1e-5, f"vs full batch: rel diff {_rel_diff(t, r):.3g}")
-            cases.true(_rel_diff(t, _model(0).state_dict()[_key(i)]) > 1e-3, "did not train")
-            cases.record_digest([t])
-    return cases.result()
+    return _compare_trainings(ctx, "fsdp", _fsdp_train, dist.group.WORLD, ctx.oracle)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
