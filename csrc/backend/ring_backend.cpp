@@ -60,8 +60,7 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   // Shared memory with the ranks on this host, TCP with the others; the TCP
   // mesh underneath carries point-to-point and spreads failures.
   transport_ = connectGroup(store, rank, size, timeout);
-  // The first worker starts in create(), once it can hold a weak reference;
-  // enqueue() starts it for a backend made otherwise.
+  // The first worker starts in create(), once it can hold a weak reference.
 }
 
 c10::intrusive_ptr<RingBackend> RingBackend::create(const c10::intrusive_ptr<c10d::Store>& store,
@@ -228,7 +227,6 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
       work->fail(transportError(e.op.ctx.message("the process group was shut down")));
       return work;
     }
-    if (workers_.empty()) spawnWorkerLocked();  // a backend not made by create()
     if (asyncOp || !queue_.empty() || running_ || !(e.nested || mayRunLocked())) {
       work->setHelper([gate = gate_](RingWork* w) {
         if (tRunningOps) return;
@@ -377,17 +375,11 @@ void RingBackend::workerLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) {
       if (queue_.empty()) return;
       e = popFrontLocked();
     }
-    // A strong reference for the op and its callbacks (one may drop the last
-    // other one); when dropping it shuts the backend down on this thread,
-    // `weak` keeps the object until this loop has left it. Null for a backend
-    // not made by create() (the old way: the thread dropping the last
-    // reference joins this one).
+    // A strong reference for the op and its callbacks: one may drop the last
+    // other one. Dropping this one may then shut the backend down here;
+    // `weak` keeps the object, and the loop ends on stopping_.
     c10::intrusive_ptr<RingBackend> self = weak.lock();
-    const bool held = self.defined();
     runAndSettle(e, true);
-    e = Entry{};
-    self.reset();
-    if (held && weak.expired()) return;
   }
 }
 

@@ -34,8 +34,9 @@ std::atomic<int64_t>& testCompleteDelayMs();
 
 class RingBackend : public c10d::Backend {
  public:
-  // Use create(): the threads that run ops and their Futures' callbacks hold
-  // the backend through a weak reference it sets up.
+  // Use create() (public only for make_intrusive): it sets up the weak
+  // reference the threads that run ops and their callbacks hold the backend
+  // through, and starts the first worker.
   RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
               std::chrono::milliseconds timeout);
   static c10::intrusive_ptr<RingBackend> create(const c10::intrusive_ptr<c10d::Store>& store,

@@ -74,18 +74,10 @@ void P2PEngine::spawnLocked() {
   });
 }
 
-// Every thread owns the engine, so this runs once they have all left loop():
-// on one of them (the last owner), or on the thread that dropped the last
-// reference after stop() joined them.
+// Every thread owns the engine, and a thread leaves loop() only after stop()
+// took it out of threads_: this runs once they are all gone (on the last of
+// them, or on the thread that dropped the last reference).
 P2PEngine::~P2PEngine() {
-  for (auto& t : threads_) {
-    if (!t.joinable()) continue;
-    if (t.get_id() == std::this_thread::get_id()) {
-      t.detach();
-    } else {
-      t.join();
-    }
-  }
   for (int& fd : wakePipe_) {
     if (fd >= 0) ::close(fd);
   }
@@ -108,9 +100,13 @@ void P2PEngine::stop() {
   turnCv_.notify_all();
   wake();
   for (auto& [cb, args] : done) cb(args.first, args.second);
+  // From a callback on one of the threads, another may be in a callback
+  // waiting for the Work this one is completing: joining would wait forever.
+  // The threads own the engine and end once their callbacks return.
+  const bool fromCallback = blockingHook().arg == this;
   for (auto& t : threads) {
-    if (t.get_id() == std::this_thread::get_id()) {
-      t.detach();  // a callback stopped its own thread: it ends when it returns
+    if (fromCallback) {
+      t.detach();
     } else {
       t.join();
     }

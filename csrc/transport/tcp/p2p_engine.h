@@ -51,8 +51,9 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
                 P2PCallback done);
   // Fails everything pending and later with `reason`.
   void abort(const std::string& reason);
-  // Ends the threads: joins them, but for the calling one (a callback's
-  // destroy_process_group), which ends once its callbacks return.
+  // Ends the threads: joins them, or, called from a callback on one of them
+  // (destroy_process_group), lets them all go; each ends once its callbacks
+  // return.
   void stop();
 
  private:
