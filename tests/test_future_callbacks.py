@@ -169,3 +169,37 @@ def test_a_callback_waits_for_a_completion_read_with_its_own(worlds):
     assert waited is True
     for tag in (0, 1, 3):
         assert torch.equal(got[tag], torch.full((16,), float(tag))), tag
+
+
+def _future_waits_in_p2p_callbacks(ctx):
+    """Remote: rank 0's tag-1 callback waits through torch's own Future (not
+    the Work) for a receive posted before it (tag 3) and for one it posts
+    (tag 2). Rank 1 sends late, so the callback runs on the p2p engine."""
+    if ctx.rank == 0:
+        got = {tag: torch.zeros(16) for tag in (1, 2, 3)}
+        first = dist.irecv(got[1], src=1, tag=1)
+        early = dist.irecv(got[3], src=1, tag=3)
+
+        def callback(fut):
+            early.get_future().wait()
+            dist.irecv(got[2], src=1, tag=2).get_future().wait()
+            return "done"
+
+        out = [first.get_future().then(callback).wait(), got]
+    else:
+        time.sleep(0.3)
+        for tag in (1, 3, 2):
+            dist.send(torch.full((16,), float(tag)), dst=0, tag=tag)
+        out = None
+    dist.barrier()
+    return out
+
+
+def test_point_to_point_callbacks_can_wait_on_futures(worlds):
+    """torch's Future.wait() does not reach our Work.wait(): a callback that
+    waited on a Future of another receive blocked the engine's one thread
+    for good (the deadlines are checked on that thread)."""
+    result, got = worlds.run(2, _future_waits_in_p2p_callbacks, timeout=30)[0]
+    assert result == "done"
+    for tag in (1, 2, 3):
+        assert torch.equal(got[tag], torch.full((16,), float(tag))), tag

@@ -126,6 +126,7 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> RingWork::getFuture() {
+  futureTaken_.store(true, std::memory_order_relaxed);
   return future_;
 }
 
@@ -182,6 +183,9 @@ void RingWork::fail(std::exception_ptr error) {
 // never be set, leaving wait() blocked. Log it as Python's add_done_callback
 // does; the callbacks after it in the Future's list do not run.
 void RingWork::settleFuture(const std::function<void()>& settle) {
+  // A callback may block in torch's Future::wait() (no hook there): on a p2p
+  // engine thread, make sure another thread polls meanwhile, as wait() does.
+  if (futureTaken_.load(std::memory_order_relaxed)) beforeBlocking();
   const RingWork* outer = tSettling;
   tSettling = this;
   auto restore = c10::make_scope_exit([outer] { tSettling = outer; });

@@ -64,6 +64,9 @@ class RingWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   DeviceStage stage_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  // getFuture() was called: the Future may have callbacks, and one may block
+  // in torch's Future::wait(), which does not pass through wait() here.
+  std::atomic<bool> futureTaken_{false};
   // Locking: doneMu_ guards done_, sourceRank_ and error_ (doneCv_ waits on
   // it). It is never held while the Future completes: its callbacks run
   // outside it (they may call back into this Work).

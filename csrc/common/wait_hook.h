@@ -6,6 +6,8 @@
 // would block the one thread that can complete it. The engine sets this hook
 // on its threads; RingWork::wait() calls it before it blocks, and the engine
 // then starts another thread if every one of its threads is in callbacks.
+// torch's Future::wait() cannot call it: RingWork calls it before it runs
+// the callbacks of a Future someone took (getFuture()).
 #pragma once
 
 namespace ringreduce {
