@@ -74,3 +74,50 @@ def test_messages_of_different_tags_overtake(worlds):
     results = worlds.run(2, _tags_overtake, timeout=60)[1]
     assert [(key, ok, source) for key, ok, source in results] == [
         ((5, 0), True, 0), ((9, 0), True, 0), ((5, 1), True, 0), ((7, 0), True, 0)], results
+
+
+def _vm_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def _message_too_large_to_read_aside(ctx):
+    """Remote: on a fresh group, rank 1 sends 1 GiB with tag 2 while rank 0
+    waits for tag 1, its address space capped 256 MiB above what it uses, so
+    reading the message aside cannot allocate. Each rank's error text."""
+    import resource
+
+    group = dist.new_group()
+    dist.barrier(group=group)
+    try:
+        if ctx.rank == 0:
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (256 << 20), hard))
+            try:
+                work = dist.irecv(torch.zeros(4), src=1, tag=1, group=group)
+                try:
+                    work.wait()
+                    return "no error"
+                except RuntimeError as err:
+                    return str(err)
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        try:
+            dist.send(torch.empty(1 << 28), dst=0, tag=2, group=group)
+            return "no error"
+        except RuntimeError as err:
+            return str(err)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_a_message_too_large_to_read_aside_fails_the_group(worlds):
+    """Reading aside a message no receive was posted for threw bad_alloc on
+    the p2p engine's thread: std::terminate took the process down."""
+    receiver, sender = worlds.run(2, _message_too_large_to_read_aside, timeout=60)
+    assert "cannot read aside a message of 1073741824 bytes from rank 1" in receiver, receiver
+    assert "tag 2" in receiver and "rank 0" in receiver, receiver
+    assert "cannot read aside" in sender, sender

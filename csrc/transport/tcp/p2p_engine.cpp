@@ -233,8 +233,18 @@ void P2PEngine::matchHeader(int peer, std::vector<Completion>& done) {
     return;
   }
   if (someoneWaits) {
+    try {
+      in.aside.resize(h.bytes);
+    } catch (const std::exception& err) {  // bad_alloc: on this thread it would terminate
+      fatal(rankPrefix(rank_, size_) + " cannot read aside a message of " +
+                std::to_string(h.bytes) + " bytes from rank " + std::to_string(peer) +
+                " (send tag " + std::to_string(h.step) + ", no receive posted for it yet) " +
+                "while a receive for another tag from that rank waits: " + err.what() +
+                "; post the receive for that tag first",
+            done);
+      return;
+    }
     in.buffering = true;
-    in.aside.resize(h.bytes);
   }
 }
 
