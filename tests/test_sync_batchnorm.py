@@ -180,6 +180,35 @@ def test_eps_checked_like_nn(eps):
             assert torch.equal(state[key], tensor), (key, training, track)
 
 
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("input_dtype", _DTYPES)
+def test_dtypes_checked_like_nn(input_dtype):
+    """Per-channel tensors of another dtype than the input's raise where nn's
+    do (all float32 for a bfloat16/float16 input is allowed), before any
+    collective; ours used to convert them silently in training."""
+    x = torch.randn(6, 3, 2).to(input_dtype)
+    for param_dtype in _DTYPES:
+        for training, track in ((True, True), (True, False), (False, True)):
+            outcomes = []
+            for cls in (SyncBatchNorm, nn.BatchNorm1d):
+                bn = cls(3, track_running_stats=track).to(param_dtype).train(training)
+                try:
+                    outcomes.append(bn(x))
+                except RuntimeError as err:
+                    outcomes.append(str(err))
+            ours, want = outcomes
+            where = (param_dtype, training, track)
+            assert isinstance(ours, str) == isinstance(want, str), (where, ours, want)
+            if isinstance(ours, str):
+                assert f"is {param_dtype} but the input is {input_dtype}" in ours or \
+                    not training, (where, ours)
+            else:
+                tol = TOL[input_dtype]
+                torch.testing.assert_close(ours, want, atol=tol, rtol=tol)
+
+
 def test_input_dims_checked():
     """Fewer than 2 dims: nn.SyncBatchNorm's ValueError (more dims: test_syncbn_functional)."""
     with pytest.raises(ValueError, match=r"^expected at least 2D input \(got 1D input\)$"):

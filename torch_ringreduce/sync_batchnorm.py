@@ -130,6 +130,29 @@ def _check_per_channel(channels, *tensors):
             raise RuntimeError(f"{name} should contain {channels} elements not {t.numel()}")
 
 
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _check_dtypes(input, weight, bias, running_mean, running_var):
+    """nn.BatchNorm's dtype rule, before any collective: the per-channel
+    tensors all have the input's dtype, or all float32 for a bfloat16/float16
+    input. nn raises RuntimeError; so do we, naming the tensor."""
+    given = [(name, t) for name, t in (("weight", weight), ("bias", bias),
+                                       ("running_mean", running_mean),
+                                       ("running_var", running_var)) if t is not None]
+    dtypes = {t.dtype for _, t in given}
+    if not dtypes or dtypes == {input.dtype} or (
+            input.dtype in _REDUCED and dtypes == {torch.float32}):
+        return
+    want = input.dtype if input.dtype not in _REDUCED or torch.float32 not in dtypes \
+        else torch.float32
+    name, t = next((name, t) for name, t in given if t.dtype != want)
+    raise RuntimeError(
+        f"SyncBatchNorm: {name} is {t.dtype} but the input is {input.dtype}; weight, bias "
+        f"and running stats must all have the input's dtype, or all be torch.float32 for a "
+        f"bfloat16 or float16 input (nn.BatchNorm's rule)")
+
+
 def _to_stat(t, dtype):
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
@@ -238,6 +261,7 @@ def _sync_batch_norm_train(input, weight, bias, running_mean, running_var,
             dist.get_world_size(group)  # -1 on a rank outside the group
     else:
         group, world_size = None, 1
+    _check_dtypes(input, weight, bias, running_mean, running_var)
     flat = input.dim() > 5
     x = input.flatten(2) if flat else input
     sd = torch.float64 if input.dtype == torch.float64 else torch.float32
