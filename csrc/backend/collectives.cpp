@@ -57,9 +57,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& t
   const at::Tensor t = single(ctx, tensors, "input");
   checkWritable(ctx, t, "input");
   ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
-  OpInfo op = makeOp(OpKind::kAllreduce, "allreduce", t, wireOp(opts.reduceOp), t.numel());
   auto reduceOp = opts.reduceOp;
   DeviceStage stage = DeviceStage::begin(ctx, tensors);
+  OpInfo op = makeOp(OpKind::kAllreduce, "allreduce", t, wireOp(opts.reduceOp), t.numel());
   at::Tensor h = stage.inout(t);
   return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE, tensors, opts.asyncOp,
                  [h, fn, reduceOp](const Comm& c) {
@@ -83,10 +83,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
     total += tensors[i].numel();
   }
   ReduceFn fn = checkReduce(ctx, tensors[0].scalar_type(), opts.reduceOp);
-  OpInfo op = makeOp(OpKind::kAllreduce, "allreduce_coalesced", tensors[0],
-                     wireOp(opts.reduceOp), total);
   auto reduceOp = opts.reduceOp;
   DeviceStage stage = DeviceStage::begin(ctx, tensors);
+  OpInfo op = makeOp(OpKind::kAllreduce, "allreduce_coalesced", tensors[0],
+                     wireOp(opts.reduceOp), total);
   std::vector<at::Tensor> ts = stage.inout(tensors);
   return enqueue(std::move(op), opts.timeout, OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp,
                  [ts, fn, reduceOp](const Comm& c) {
@@ -110,8 +110,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
   RR_CHECK_VALUE(opts.rootTensor == 0, ctx, "rootTensor must be 0, got ", opts.rootTensor);
   int root = static_cast<int>(opts.rootRank);
   if (getRank() != root) roleChecks(ctx, root, [&] { checkWritable(ctx, t, "input"); });
-  OpInfo op = makeOp(OpKind::kBroadcast, "broadcast", t, kNoReduceOp, t.numel(), root);
   DeviceStage stage = DeviceStage::begin(ctx, tensors);
+  OpInfo op = makeOp(OpKind::kBroadcast, "broadcast", t, kNoReduceOp, t.numel(), root);
   at::Tensor h = getRank() == root ? stage.in(t) : stage.out(t);
   return enqueue(std::move(op), opts.timeout, OpType::BROADCAST, tensors, opts.asyncOp,
                  [h, root](const Comm& c) {
@@ -130,9 +130,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tens
   ReduceFn fn = checkReduce(ctx, t.scalar_type(), opts.reduceOp);
   int root = static_cast<int>(opts.rootRank);
   if (getRank() == root) roleChecks(ctx, root, [&] { checkWritable(ctx, t, "input"); });
-  OpInfo op = makeOp(OpKind::kReduce, "reduce", t, wireOp(opts.reduceOp), t.numel(), root);
   auto reduceOp = opts.reduceOp;
   DeviceStage stage = DeviceStage::begin(ctx, tensors);
+  OpInfo op = makeOp(OpKind::kReduce, "reduce", t, wireOp(opts.reduceOp), t.numel(), root);
   at::Tensor h = getRank() == root ? stage.inout(t) : stage.in(t);
   return enqueue(std::move(op), opts.timeout, OpType::REDUCE, tensors, opts.asyncOp,
                  [h, fn, root, reduceOp](const Comm& c) {
@@ -155,10 +155,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
   RR_CHECK_VALUE(outputs.size() == 1, ctx, "expected one output list, got ", outputs.size());
   checkList(ctx, outputs[0], getSize(), in.scalar_type(), in.numel(), "output");
   for (const auto& t : outputs[0]) checkWritable(ctx, t, "output tensor");
-  OpInfo op = makeOp(OpKind::kAllgather, "allgather", in, kNoReduceOp, in.numel());
   std::vector<at::Tensor> all = outputs[0];
   all.push_back(in);
   DeviceStage stage = DeviceStage::begin(ctx, all);
+  OpInfo op = makeOp(OpKind::kAllgather, "allgather", in, kNoReduceOp, in.numel());
   std::vector<at::Tensor> outs = stage.out(outputs[0]);
   at::Tensor h = stage.in(in);
   return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER, outputs[0], opts.asyncOp,
@@ -180,9 +180,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
   checkLike(ctx, output, input.scalar_type(), input.numel() * getSize(),
             "output (world size x input)");
   checkWritable(ctx, output, "output");
+  DeviceStage stage = DeviceStage::begin(ctx, {input, output});
   OpInfo op = makeOp(OpKind::kAllgather, "allgather_into_tensor", input, kNoReduceOp,
                      input.numel());
-  DeviceStage stage = DeviceStage::begin(ctx, {input, output});
   at::Tensor in = stage.in(input), out = stage.out(output);
   return enqueue(std::move(op), opts.timeout, OpType::_ALLGATHER_BASE, {output}, opts.asyncOp,
                  [in, out](const Comm& c) {
@@ -219,12 +219,12 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
       checkWritable(ctx, outputLists[r][j], "output " + std::to_string(r) + "/" + std::to_string(j));
     }
   }
-  OpInfo op = makeOp(OpKind::kAllgather, "allgather_coalesced", inputs[0], kNoReduceOp, total);
   std::vector<at::Tensor> flatOuts;
   for (auto& l : outputLists) flatOuts.insert(flatOuts.end(), l.begin(), l.end());
   std::vector<at::Tensor> all = flatOuts;
   all.insert(all.end(), inputs.begin(), inputs.end());
   DeviceStage stage = DeviceStage::begin(ctx, all);
+  OpInfo op = makeOp(OpKind::kAllgather, "allgather_coalesced", inputs[0], kNoReduceOp, total);
   std::vector<at::Tensor> ins = stage.in(inputs);
   std::vector<std::vector<at::Tensor>> outs;
   for (const auto& l : outputLists) outs.push_back(stage.out(l));
@@ -250,11 +250,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_into_tensor_coalesced(
   for (size_t j = 0; j < outputs.size(); ++j) {
     checkWritable(ctx, outputs[j], "output " + std::to_string(j));
   }
-  OpInfo op = makeOp(OpKind::kAllgather, "allgather_into_tensor_coalesced", inputs[0],
-                     kNoReduceOp, total);
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
   DeviceStage stage = DeviceStage::begin(ctx, all);
+  OpInfo op = makeOp(OpKind::kAllgather, "allgather_into_tensor_coalesced", inputs[0],
+                     kNoReduceOp, total);
   std::vector<at::Tensor> ins = stage.in(inputs), outs = stage.out(outputs);
   return enqueue(std::move(op), opts.timeout, OpType::ALLGATHER_COALESCED, outputs, opts.asyncOp,
                  [ins, outs, total](const Comm& c) {
@@ -297,10 +297,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
                      "only the root (rank ", root, ") takes output tensors");
     });
   }
-  OpInfo op = makeOp(OpKind::kGather, "gather", in, kNoReduceOp, in.numel(), root);
   std::vector<at::Tensor> all = outs;
   all.push_back(in);
   DeviceStage stage = DeviceStage::begin(ctx, all);
+  OpInfo op = makeOp(OpKind::kGather, "gather", in, kNoReduceOp, in.numel(), root);
   std::vector<at::Tensor> hostOuts = stage.out(outs);
   at::Tensor h = stage.in(in);
   return enqueue(std::move(op), opts.timeout, OpType::GATHER, outs, opts.asyncOp,
@@ -343,10 +343,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& out
                      "only the root (rank ", root, ") takes input tensors");
     });
   }
-  OpInfo op = makeOp(OpKind::kScatter, "scatter", out, kNoReduceOp, out.numel(), root);
   std::vector<at::Tensor> all = ins;
   all.push_back(out);
   DeviceStage stage = DeviceStage::begin(ctx, all);
+  OpInfo op = makeOp(OpKind::kScatter, "scatter", out, kNoReduceOp, out.numel(), root);
   std::vector<at::Tensor> hostIns = stage.in(ins);
   at::Tensor h = stage.out(out);
   return enqueue(std::move(op), opts.timeout, OpType::SCATTER, outputs, opts.asyncOp,

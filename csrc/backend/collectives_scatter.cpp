@@ -63,12 +63,12 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
   checkList(ctx, inputs[0], getSize(), out.scalar_type(), out.numel(), "input");
   checkWritable(ctx, out, "output");
   ReduceFn fn = checkReduce(ctx, out.scalar_type(), opts.reduceOp);
-  OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter", out,
-                     static_cast<uint8_t>(opts.reduceOp.op_), out.numel());
   auto reduceOp = opts.reduceOp;
   std::vector<at::Tensor> all = inputs[0];
   all.push_back(out);
   DeviceStage stage = DeviceStage::begin(ctx, all);
+  OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter", out,
+                     static_cast<uint8_t>(opts.reduceOp.op_), out.numel());
   std::vector<at::Tensor> ins = stage.in(inputs[0]);
   at::Tensor h = stage.out(out);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp,
@@ -88,10 +88,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
             "input (world size x output)");
   checkWritable(ctx, output, "output");
   ReduceFn fn = checkReduce(ctx, output.scalar_type(), opts.reduceOp);
-  OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor", output,
-                     static_cast<uint8_t>(opts.reduceOp.op_), output.numel());
   auto reduceOp = opts.reduceOp;
   DeviceStage stage = DeviceStage::begin(ctx, {input, output});
+  OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor", output,
+                     static_cast<uint8_t>(opts.reduceOp.op_), output.numel());
   at::Tensor in = stage.in(input), out = stage.out(output);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp,
                  [in, out, fn, reduceOp](const Comm& c) {
@@ -109,12 +109,12 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter_tensor_coalesced(
     checkWritable(ctx, outputs[j], "output " + std::to_string(j));
   }
   ReduceFn fn = checkReduce(ctx, outputs[0].scalar_type(), opts.reduceOp);
-  OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor_coalesced", outputs[0],
-                     static_cast<uint8_t>(opts.reduceOp.op_), total);
   auto reduceOp = opts.reduceOp;
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
   DeviceStage stage = DeviceStage::begin(ctx, all);
+  OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor_coalesced", outputs[0],
+                     static_cast<uint8_t>(opts.reduceOp.op_), total);
   std::vector<at::Tensor> ins = stage.in(inputs), outs = stage.out(outputs);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
                  outputs, opts.asyncOp,
@@ -155,8 +155,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
                  sendBytes[getRank()], " bytes but expects ", recvBytes[getRank()]);
   // Per-peer sizes differ legitimately, so `total` is unchecked; the header's
   // byte count still catches splits that disagree across ranks.
-  OpInfo op = makeOp(OpKind::kAlltoall, "alltoall_base", input, kNoReduceOp, kUnchecked);
   DeviceStage stage = DeviceStage::begin(ctx, {input, output});
+  OpInfo op = makeOp(OpKind::kAlltoall, "alltoall_base", input, kNoReduceOp, kUnchecked);
   at::Tensor in = stage.in(input), out = stage.out(output);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp,
                  [in, out, sendBytes, recvBytes](const Comm& c) {
@@ -194,10 +194,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& ou
   }
   RR_CHECK_VALUE(inputs[getRank()].numel() == outputs[getRank()].numel(), ctx,
                  "input and output ", getRank(), " (this rank's own) differ in size");
-  OpInfo op = makeOp(OpKind::kAlltoall, "alltoall", inputs[0], kNoReduceOp, kUnchecked);
   std::vector<at::Tensor> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
   DeviceStage stage = DeviceStage::begin(ctx, all);
+  OpInfo op = makeOp(OpKind::kAlltoall, "alltoall", inputs[0], kNoReduceOp, kUnchecked);
   std::vector<at::Tensor> ins = stage.in(inputs);
   std::vector<at::Tensor> outs = stage.out(outputs);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL, outputs, opts.asyncOp,
