@@ -203,3 +203,45 @@ def test_point_to_point_callbacks_can_wait_on_futures(worlds):
     assert result == "done"
     for tag in (1, 2, 3):
         assert torch.equal(got[tag], torch.full((16,), float(tag))), tag
+
+
+def _destroy_while_a_callback_waits_for_a_later_receive(ctx, how):
+    """Remote: on a fresh group, rank 0's tag-1 receive has a callback that
+    waits for its tag-3 receive (through the Work or its Future); rank 1
+    sends nothing, and rank 0 destroys (or aborts) the group. How long that
+    took and what the chained Future holds."""
+    group = dist.new_group()
+    dist.barrier(group=group)
+    out = None
+    if ctx.rank == 0:
+        first = dist.irecv(torch.zeros(4), src=1, tag=1, group=group)
+        later = dist.irecv(torch.zeros(4), src=1, tag=3, group=group)
+        wait = (lambda f: later.wait()) if how == "work" else \
+            (lambda f: later.get_future().wait())
+        chained = first.get_future().then(wait)
+        started = time.monotonic()
+        if how == "abort":
+            group._get_backend(torch.device("cpu")).abort()
+        dist.destroy_process_group(group)
+        took = time.monotonic() - started
+        try:
+            chained.wait()
+            out = [took, "no error"]
+        except RuntimeError as err:
+            out = [took, str(err)]
+    else:
+        time.sleep(0.5)
+        dist.destroy_process_group(group)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("how", ["work", "future", "abort"])
+def test_destroy_while_a_p2p_callback_waits_for_a_later_receive(worlds, how):
+    """destroy_process_group() failed the pending receives one after another
+    on its own thread: the first one's callback, waiting for the second, never
+    returned, and neither did the destroy."""
+    took, error = worlds.run(2, _destroy_while_a_callback_waits_for_a_later_receive, how,
+                             timeout=30)[0]
+    assert took < 10, took
+    assert "shut down" in error or "abort" in error, error

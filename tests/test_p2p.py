@@ -2,6 +2,8 @@
 
 Regression for a use-after-free: when headers from several peers arrived while
 one any-source receive was posted, every one of them matched it."""
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -121,3 +123,36 @@ def test_a_message_too_large_to_read_aside_fails_the_group(worlds):
     assert "cannot read aside a message of 1073741824 bytes from rank 1" in receiver, receiver
     assert "tag 2" in receiver and "rank 0" in receiver, receiver
     assert "cannot read aside" in sender, sender
+
+
+def _receive_posted_while_a_message_is_read_aside(ctx, count, delay):
+    """Remote: rank 1 waits for tag 2 while rank 0 sends `count` floats with
+    tag 1 and then tag 2, so rank 1's engine reads the tag-1 message aside;
+    rank 1 posts its tag-1 receive `delay` s later, usually while that read is
+    under way (128 MiB take 0.1-0.9 s here)."""
+    if ctx.rank == 1:
+        late = torch.zeros(4)
+        waiting = dist.irecv(late, src=0, tag=2)
+        dist.barrier()
+        time.sleep(delay)
+        big = torch.zeros(count)
+        dist.irecv(big, src=0, tag=1).wait()
+        waiting.wait()
+        zeros = (big != 1).nonzero()
+        return [int(zeros.numel()), int(zeros[0]) if zeros.numel() else -1, late.tolist()]
+    dist.barrier()
+    dist.send(torch.ones(count), 1, tag=1)
+    dist.send(torch.full((4,), 2.0), 1, tag=2)
+    return None
+
+
+def test_a_receive_posted_while_its_message_is_read_aside_gets_all_of_it(worlds):
+    """The engine matched a message half read aside to a receive posted
+    meanwhile and wrote only the rest into it: the receive completed with its
+    first megabytes never written."""
+    for delay in (0.001, 0.003, 0.01, 0.03):
+        wrong, first, late = worlds.run(2, _receive_posted_while_a_message_is_read_aside,
+                                        32 << 20, delay, timeout=60)[1]
+        assert wrong == 0, f"posted after {delay} s: {wrong} elements not received, " \
+                           f"the first at {first}"
+        assert late == [2.0] * 4

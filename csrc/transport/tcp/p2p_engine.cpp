@@ -72,6 +72,12 @@ void P2PEngine::spawnLocked() {
                       self.get()};
     self->loop();
   });
+  ++live_;
+  // Started after stop() let the threads go: nobody will join it.
+  if (detachNew_) {
+    threads_.back().detach();
+    threads_.pop_back();
+  }
 }
 
 // Every thread owns the engine, and a thread leaves loop() only after stop()
@@ -84,31 +90,47 @@ P2PEngine::~P2PEngine() {
 }
 
 void P2PEngine::stop() {
-  std::vector<std::thread> threads;
-  std::vector<Completion> done;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-    threads.swap(threads_);
-    // Here, not only in the threads: one of them may be in a callback that
-    // waits for a pending op or a collected completion, and this thread may be
-    // another one's callback.
-    done.assign(std::make_move_iterator(ready_.begin()), std::make_move_iterator(ready_.end()));
-    ready_.clear();
-    failAll("the process group was shut down", done);
-  }
-  turnCv_.notify_all();
-  wake();
-  for (auto& [cb, args] : done) cb(args.first, args.second);
   // From a callback on one of the threads, another may be in a callback
   // waiting for the Work this one is completing: joining would wait forever.
   // The threads own the engine and end once their callbacks return.
   const bool fromCallback = blockingHook().arg == this;
-  for (auto& t : threads) {
-    if (fromCallback) {
-      t.detach();
-    } else {
-      t.join();
+  std::vector<Completion> orphans;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    if (fromCallback) detachNew_ = true;
+    // The pending ops fail through ready_, run by the threads on their way
+    // out, one at a time, with another thread started for a callback that
+    // blocks (beforeBlocking), as while running: run here in a row, a callback
+    // that waits for a later one would wait forever.
+    std::vector<Completion> done;
+    failAll("the process group was shut down", done);
+    for (auto& d : done) ready_.push_back(std::move(d));
+    if (live_ == 0) {
+      orphans.assign(std::make_move_iterator(ready_.begin()),
+                     std::make_move_iterator(ready_.end()));
+      ready_.clear();
+    } else if (!ready_.empty()) {
+      ensureRunnerLocked("the failed ops");
+    }
+  }
+  turnCv_.notify_all();
+  wake();
+  for (auto& [cb, args] : orphans) cb(args.first, args.second);
+  // Joined until none is left: one blocked in a callback may start another.
+  while (true) {
+    std::vector<std::thread> threads;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      threads.swap(threads_);
+    }
+    if (threads.empty()) break;
+    for (auto& t : threads) {
+      if (fromCallback) {
+        t.detach();
+      } else {
+        t.join();
+      }
     }
   }
 }
@@ -159,9 +181,16 @@ void P2PEngine::abort(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     failAll(reason, done);
+    // The threads run them (see stop()); after stop() none may be left.
+    if (live_ > 0) {
+      for (auto& d : done) ready_.push_back(std::move(d));
+      done.clear();
+      if (!ready_.empty()) ensureRunnerLocked("the failed ops");
+    }
   }
-  for (auto& [cb, args] : done) cb(args.first, args.second);
+  turnCv_.notify_all();
   wake();
+  for (auto& [cb, args] : done) cb(args.first, args.second);
 }
 
 void P2PEngine::failAll(const std::string& reason, std::vector<Completion>& done) {
@@ -422,8 +451,13 @@ void P2PEngine::drain(std::string& fatalReason) {
 
 void P2PEngine::beforeBlocking() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_) return;
-  if (inCallbacks_ < threads_.size()) {
+  // Also while stopping: the failures of the pending ops wait in ready_ for
+  // a thread that is not blocked.
+  ensureRunnerLocked("a callback that waits");
+}
+
+void P2PEngine::ensureRunnerLocked(const char* why) {
+  if (inCallbacks_ < live_) {
     // A thread waiting for its turn, or the one polling, runs what is ready.
     if (!ready_.empty()) {
       turnCv_.notify_all();
@@ -434,8 +468,8 @@ void P2PEngine::beforeBlocking() {
   try {
     spawnLocked();
   } catch (const std::exception& err) {
-    LOG(WARNING) << rankPrefix(rank_, size_) << " could not start another p2p thread for a "
-                 << "callback that waits (" << err.what() << "); the wait may time out";
+    LOG(WARNING) << rankPrefix(rank_, size_) << " could not start another p2p thread for "
+                 << why << " (" << err.what() << "); the wait may time out";
   }
 }
 
@@ -462,9 +496,14 @@ void P2PEngine::loop() {
       if (stopping_) {
         failAll("the process group was shut down", done);
         collect();
-        lock.unlock();
-        drain(fatalReason);
-        return;
+        // Leaves only with nothing ready, counted out in the same hold of the
+        // lock: a callback that blocks must not count on a thread that is
+        // already on its way out (beforeBlocking).
+        if (ready_.empty() && fatalReason.empty()) {
+          --live_;
+          return;
+        }
+        continue;
       }
       if (!ready_.empty()) continue;
       pfds.clear();
@@ -473,7 +512,11 @@ void P2PEngine::loop() {
       for (int peer = 0; peer < size_; ++peer) {
         if (peer == rank_) continue;
         Incoming& in = incoming_[peer];
-        if (in.headerDone == sizeof(WireHeader) && !in.matched && !in.draining) {
+        // A message being read aside is finished there first (a receive
+        // posted meanwhile takes it from buffered_): matched now, its first
+        // bytes would stay in `aside`.
+        if (in.headerDone == sizeof(WireHeader) && !in.matched && !in.draining &&
+            !in.buffering) {
           matchHeader(peer, done);
         }
         short events = (sends_[peer].empty() ? 0 : POLLOUT) | (wantsRead(peer) ? POLLIN : 0);

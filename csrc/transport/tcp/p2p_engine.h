@@ -53,7 +53,8 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   void abort(const std::string& reason);
   // Ends the threads: joins them, or, called from a callback on one of them
   // (destroy_process_group), lets them all go; each ends once its callbacks
-  // return.
+  // return. The pending ops fail on the threads (stop() and abort() queue
+  // their failures in ready_), so a callback may wait for another's Work.
   void stop();
 
  private:
@@ -103,6 +104,9 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   // A wait on an engine thread is about to block (common/wait_hook.h): another
   // thread takes over, started if every one is running completions.
   void beforeBlocking();
+  // Wakes a thread for what is ready, or starts one if every thread is in
+  // callbacks; mu_ held.
+  void ensureRunnerLocked(const char* why);
   bool wantsRead(int peer) const;
   void matchHeader(int peer, std::vector<Completion>& done);
   // Hands messages read aside to the receives posted for them, oldest first.
@@ -140,6 +144,8 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   bool stopping_ = false;
   std::deque<Completion> ready_;      // collected, not yet run (drain())
   std::vector<std::thread> threads_;  // each runs loop() and owns the engine
+  size_t live_ = 0;                   // threads started and not yet out of loop()
+  bool detachNew_ = false;            // stop() from a callback let them go
   size_t inCallbacks_ = 0;            // threads running completions
   bool polling_ = false;              // a thread polls (or reads and writes)
   size_t waiting_ = 0;                // threads waiting for their turn to poll
