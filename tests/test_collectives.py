@@ -428,3 +428,41 @@ def min_max_with_nan(ctx):
 def test_min_max_propagate_nan_from_any_rank(worlds, world_size):
     failures = sum(worlds.run(world_size, min_max_with_nan), [])
     assert failures == [], "\n".join(failures[:12])
+
+
+def _read_only_and_in_place(ctx):
+    """Remote: a broadcast whose root passes an expanded tensor (only read
+    there) or, async under inference_mode, a non-contiguous one; then
+    all_to_all_single(x, x) and all_to_all(ts, ts) in place."""
+    r, n = ctx.rank, ctx.world_size
+    out = {}
+    t = torch.full((1,), 5.0).expand(4) if r == 0 else torch.zeros(4)
+    dist.broadcast(t, src=0)
+    out["expanded"] = t.clone()
+    base = torch.arange(8.0).reshape(2, 4) if r == 0 else torch.zeros(4, 2)
+    with torch.inference_mode():
+        view = base.t() if r == 0 else base
+        dist.broadcast(view, src=0, async_op=True).wait()
+    out["strided"] = view.contiguous().clone()
+    x = torch.arange(float(n)) + 10 * r
+    dist.all_to_all_single(x, x)
+    out["single"] = x
+    ts = [torch.full((2,), float(10 * r + j)) for j in range(n)]
+    dist.all_to_all(ts, ts)
+    out["list"] = torch.stack(ts)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_read_only_roots_and_in_place_all_to_all(worlds, world_size):
+    """A broadcast root's tensor is only read (the root used to copy the
+    result back into it: an expanded tensor failed after sending and aborted
+    the group); in-place all_to_all sent blocks it had already overwritten
+    (wrong data from 3 ranks). Closed forms: gloo gets both wrong."""
+    n = world_size
+    for r, got in enumerate(worlds.run(n, _read_only_and_in_place)):
+        assert torch.equal(got["expanded"], torch.full((4,), 5.0)), (r, got["expanded"])
+        assert torch.equal(got["strided"], torch.arange(8.0).reshape(2, 4).t()), r
+        assert torch.equal(got["single"], torch.arange(float(n)) * 10 + r), (r, got["single"])
+        want = torch.stack([torch.full((2,), float(10 * j + r)) for j in range(n)])
+        assert torch.equal(got["list"], want), (r, got["list"])

@@ -245,3 +245,31 @@ def test_destroy_while_a_p2p_callback_waits_for_a_later_receive(worlds, how):
                              timeout=30)[0]
     assert took < 10, took
     assert "shut down" in error or "abort" in error, error
+
+
+def _callback_waits_for_an_op_queued_before(ctx, sleeper):
+    """Remote: two async all_reduces, then a callback of the first that waits
+    for the second (its Work). Rank `sleeper` arrives late, so the callback
+    runs on the worker while the second op is still queued behind it."""
+    if ctx.rank == sleeper:
+        time.sleep(0.3)
+    a = torch.full((4,), float(ctx.rank + 1))
+    b = torch.full((4,), float(10 * (ctx.rank + 1)))
+    first = dist.all_reduce(a, async_op=True)
+    second = dist.all_reduce(b, async_op=True)
+    waited = first.get_future().then(lambda f: second.wait()).wait()
+    return [waited, a, b]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_callback_waits_for_an_op_queued_before_it(worlds, size):
+    """The worker, in the first op's callbacks, held every thread off the
+    queue (Futures complete in issue order) and the callback waited for the
+    queued second op: a hang with no timeout. gloo's two threads run it."""
+    total = size * (size + 1) / 2
+    for sleeper in range(size):
+        for rank, (waited, a, b) in enumerate(
+                worlds.run(size, _callback_waits_for_an_op_queued_before, sleeper, timeout=30)):
+            assert waited is True, rank
+            torch.testing.assert_close(a, torch.full((4,), total))
+            torch.testing.assert_close(b, torch.full((4,), 10 * total))

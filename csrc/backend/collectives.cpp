@@ -117,7 +117,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
                  [h, root](const Comm& c) {
                    at::Tensor s = staged(h);
                    broadcastChain(c, bytesOf(s), nbytes(s), root);
-                   writeBack(h, s);
+                   // The root's tensor is only read: it may be expanded, or an
+                   // inference tensor this worker may not write.
+                   if (c.rank != root) writeBack(h, s);
                  },
                  std::move(stage));
 }

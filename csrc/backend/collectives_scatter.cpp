@@ -160,7 +160,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
   at::Tensor in = stage.in(input), out = stage.out(output);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp,
                  [in, out, sendBytes, recvBytes](const Comm& c) {
-                   at::Tensor sIn = staged(in), sOut = staged(out);
+                   // In place (all_to_all_single(x, x)): a block received
+                   // early would overwrite one still to be sent.
+                   at::Tensor sIn = overlapping(in, {out}) ? in.contiguous().clone() : staged(in);
+                   at::Tensor sOut = staged(out);
                    auto sendOff = offsetsOf(sendBytes), recvOff = offsetsOf(recvBytes);
                    std::vector<const char*> sendPtrs;
                    std::vector<char*> recvPtrs;
@@ -206,7 +209,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& ou
                    std::vector<const char*> sendPtrs;
                    std::vector<char*> recvPtrs;
                    for (int i = 0; i < c.size; ++i) {
-                     sIn.push_back(staged(ins[i]));
+                     // An input that is also an output (all_to_all(ts, ts)) may
+                     // be overwritten before it is sent: sent from a copy.
+                     sIn.push_back(overlapping(ins[i], outs) ? ins[i].contiguous().clone()
+                                                             : staged(ins[i]));
                      sOut.push_back(staged(outs[i]));
                      sendPtrs.push_back(bytesOf(sIn[i]));
                      recvPtrs.push_back(bytesOf(sOut[i]));

@@ -134,6 +134,7 @@ void RingBackend::shutdown() {
     busy = running_ && !runningConfirmed_.load(std::memory_order_acquire);
   }
   cv_.notify_all();
+  idleCv_.notify_all();  // a wait() in a callback for the queue
   const std::string why = "the process group was shut down (destroy_process_group) with " +
                           std::to_string(dropped.size() + (busy ? 1 : 0)) + " op(s) pending";
   if (busy || !dropped.empty()) {
@@ -271,6 +272,7 @@ void RingBackend::finishRunning(bool onWorker) {
     // then no other thread starts the next op (mayRunLocked), so Futures
     // complete in issue order.
     ++settling_;
+    ++unmarked_;
     wake = !queue_.empty() || stopping_;
   }
   // Only the worker waits on cv_, and only for queued work: waking it for
@@ -328,6 +330,14 @@ void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
     }
     if (wake) cv_.notify_all();  // a worker held back by mayRunLocked()
   });
+  // Its Future completes next, then its callbacks run: from there on a wait()
+  // in one may run the ops queued behind it (runQueuedUntil).
+  bool marked;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    marked = --unmarked_ == 0 && !queue_.empty();
+  }
+  if (marked) idleCv_.notify_all();
   if (error) {
     e.work->fail(error);
     return;
@@ -348,14 +358,25 @@ RingBackend::Entry RingBackend::popFrontLocked() {
 }
 
 void RingBackend::runQueuedUntil(const RingWork* work) {
+  // In a Future's callback (settling a Work whose Future is complete), this
+  // thread's own settling keeps every worker off the queue (mayRunLocked),
+  // and the op waited for may have been queued before (not nested): this
+  // thread runs the queue, once no other finished op's Future is still to
+  // complete (Futures complete in issue order), instead of waiting forever.
+  const bool inCallback = tSettlingDepth > 0;
   while (true) {
     Entry e;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_ || running_ || !mayRunLocked()) return;
-      if (std::none_of(queue_.begin(), queue_.end(),
-                       [work](const Entry& q) { return q.work.get() == work; })) {
-        return;  // already taken by the worker (running or done)
+      std::unique_lock<std::mutex> lock(mu_);
+      while (true) {
+        if (stopping_) return;
+        if (std::none_of(queue_.begin(), queue_.end(),
+                         [work](const Entry& q) { return q.work.get() == work; })) {
+          return;  // already taken by the worker (running or done)
+        }
+        if (!running_ && (mayRunLocked() || (inCallback && unmarked_ == 0))) break;
+        if (!inCallback) return;
+        idleCv_.wait(lock);
       }
       e = popFrontLocked();  // running_ keeps the worker off, as for an inline op
     }

@@ -234,6 +234,10 @@ class RingBackend : public c10d::Backend {
   std::vector<std::thread> workers_;  // guarded by mu_; taken by shutdown()
   size_t workersInCallbacks_ = 0;     // guarded by mu_: workers settling a Work
   size_t settling_ = 0;               // guarded by mu_: Works being settled, any thread
+  // guarded by mu_: of those, the ones whose Future is not yet complete (their
+  // callbacks have not started): a wait() in a callback may run the queue
+  // once this is 0 (runQueuedUntil).
+  size_t unmarked_ = 0;
   size_t nestedQueued_ = 0;           // guarded by mu_: queued entries with `nested`
   // What a RingWork's wait() and the workers reach the backend through. A
   // Work may outlive the backend; and a Future callback run by a worker or a
@@ -244,7 +248,9 @@ class RingBackend : public c10d::Backend {
   struct HelpGate;  // below: it names this class
   c10::weak_intrusive_ptr<RingBackend> weakSelf() const;
   std::shared_ptr<HelpGate> gate_ = std::make_shared<HelpGate>();
-  std::condition_variable idleCv_;  // shutdown() waits on it (with mu_) for !running_
+  // shutdown() waits on it (with mu_) for !running_; a wait() in a callback for
+  // the queue to be its to run.
+  std::condition_variable idleCv_;
 };
 
 struct RingBackend::HelpGate {

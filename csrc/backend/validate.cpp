@@ -102,6 +102,14 @@ at::Tensor staged(const at::Tensor& t) {
   return t.is_contiguous() ? t : t.contiguous();
 }
 
+bool overlapping(const at::Tensor& t, const std::vector<at::Tensor>& others) {
+  if (t.numel() == 0) return false;
+  for (const auto& o : others) {
+    if (o.numel() > 0 && at::get_overlap_status(t, o) != at::MemOverlapStatus::No) return true;
+  }
+  return false;
+}
+
 void writeBack(const at::Tensor& t, const at::Tensor& s) {
   if (!s.is_same(t)) {
     t.copy_(s);  // s is a contiguous copy of t: same shape

@@ -45,6 +45,8 @@ inline void finishAverage(const c10d::ReduceOp& op, const at::Tensor& t, int siz
 
 // t itself when contiguous, else a contiguous copy to run the op on.
 at::Tensor staged(const at::Tensor& t);
+// Whether `t` shares memory with any of `others` (a copy of it is then sent).
+bool overlapping(const at::Tensor& t, const std::vector<at::Tensor>& others);
 // Copies the result back into the caller's tensor when `s` is a copy.
 void writeBack(const at::Tensor& t, const at::Tensor& s);
 inline char* bytesOf(const at::Tensor& t) {
