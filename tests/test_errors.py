@@ -527,6 +527,37 @@ def test_no_fd_or_thread_leaks_over_group_lifetimes(bare_worlds, world_size, sam
             f"{LEAK_CYCLES - LEAK_WARMUP} groups")
 
 
+def _failed_setups(ctx, attempts):
+    """Remote: backends that fail their set-up (an interface that does not
+    exist), one warm-up then `attempts`; (fds, threads) before and after, and
+    the last error."""
+    from _outcomes import with_env
+    from torch_ringreduce import _C
+
+    def attempt(i):
+        store = dist.PrefixStore(f"badif{i}/", ctx.new_store(f"badif{i}"))
+        try:
+            with_env({"RINGREDUCE_SOCKET_IFNAME": "rr-no-such0"}, lambda: _C.RingBackend(
+                store, ctx.rank, ctx.world_size, timedelta(seconds=5)))
+            return "constructed"
+        except Exception as err:  # noqa: BLE001 - reported to the parent
+            return str(err)
+
+    attempt(0)
+    before = _resources()
+    errors = [attempt(i) for i in range(1, attempts + 1)]
+    return before, _resources(), errors[-1]
+
+
+def test_failed_setups_leave_no_descriptors(bare_worlds):
+    """The wake pipe and the listening socket were opened before the set-up's
+    clean-up could see them: every failed set-up left them open."""
+    for rank, (before, after, error) in enumerate(bare_worlds(2).run(_failed_setups, 5)):
+        assert "rr-no-such0" in error, (rank, error)
+        assert after[0] - before[0] <= LEAK_SLACK, (rank, before, after)
+        assert after[1] - before[1] <= LEAK_SLACK, (rank, before, after)
+
+
 def _our_threads():
     names = []
     for task in os.listdir("/proc/self/task"):

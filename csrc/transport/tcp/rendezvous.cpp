@@ -125,16 +125,19 @@ void TcpMesh::connectMesh(std::chrono::milliseconds timeout) {
                              std::to_string(timeout.count()) +
                              " ms; did it call init_process_group / new_group, or did it die?)");
   }
-  TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, prefix, " pipe2 failed: ",
-              std::strerror(errno));
-  listenFd_ = listenOn(chooseLocalAddress(storeHost(store_.ptr())), &bound_);
-  store_.set(storeBase_ + "addr/" + std::to_string(rank_), formatAddress(bound_), deadline,
-             joining);
-  acceptThread_ = std::thread([this] {
-    nameThisThread("rr-accept");
-    acceptLoop();
-  });
+  // From the first descriptor on, a failure closes what was opened (close()
+  // takes a partial set-up): a wrong RINGREDUCE_SOCKET_IFNAME or a publish that
+  // timed out used to leave the pipe and the listening socket open.
   try {
+    TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, prefix, " pipe2 failed: ",
+                std::strerror(errno));
+    listenFd_ = listenOn(chooseLocalAddress(storeHost(store_.ptr())), &bound_);
+    store_.set(storeBase_ + "addr/" + std::to_string(rank_), formatAddress(bound_), deadline,
+               joining);
+    acceptThread_ = std::thread([this] {
+      nameThisThread("rr-accept");
+      acceptLoop();
+    });
     for (int peer = 0; peer < rank_; ++peer) {
       connectToLower(peer, deadline);
     }
