@@ -647,6 +647,48 @@ def test_out_of_descriptors_accept_loop_does_not_spin(pool):
     assert res0["after"] == res1["after"] == _expected_sum(2), (res0["after"], res1["after"])
 
 
+IDLE_STRANGERS = 300
+PENDING_CAP = 64 + 2 * 2  # kMaxPendingStrangers + two per peer (rendezvous.cpp)
+
+
+def _idle_strangers(ctx, count):
+    """Rank 1 opens `count` connections to rank 0's listening socket and sends
+    nothing; rank 0 counts its descriptors while they are open."""
+    group, _ = _new_group()
+    backend = backend_of(group)
+    addrs = [None] * ctx.world_size
+    dist.all_gather_object(addrs, backend.listen_address(), group=ctx.oracle)
+    result = {}
+    if ctx.rank == 0:
+        before = len(os.listdir("/proc/self/fd"))
+        dist.barrier(group=ctx.oracle)  # rank 1 connected
+        deadline = time.monotonic() + 3
+        peak = before
+        while time.monotonic() < deadline:
+            peak = max(peak, len(os.listdir("/proc/self/fd")))
+            time.sleep(0.05)
+        result.update(grew=peak - before)
+        dist.barrier(group=ctx.oracle)
+    else:
+        host, port = addrs[0].rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port)), timeout=5) for _ in range(count)]
+        dist.barrier(group=ctx.oracle)
+        dist.barrier(group=ctx.oracle)
+        for sock in socks:
+            sock.close()
+    result["after"] = _check_sum(ctx, group)
+    return result
+
+
+def test_idle_strangers_hold_a_bounded_number_of_descriptors(pool):
+    """Every accepted connection waited 5 s for its hello, with no limit: a
+    few hundred idle connections used up the process's descriptors."""
+    res0, res1 = pool.run(2, _idle_strangers, IDLE_STRANGERS, timeout=RUN_TIMEOUT_S)
+    assert res0["grew"] <= PENDING_CAP + 4, (
+        f"{res0['grew']} descriptors opened for {IDLE_STRANGERS} idle connections")
+    assert res0["after"] == res1["after"] == _expected_sum(2)
+
+
 STRANGER_FLOOD = 300
 GARBAGE = bytes(range(0xC0, 0x100))  # 64 bytes, no valid magic anywhere
 KEPT_REFUSALS = 64

@@ -49,6 +49,10 @@ namespace {
 constexpr uint32_t kHelloMagic = 0x52524845;  // "RRHE"
 constexpr uint32_t kProtocolVersion = 1;
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+// Connections waiting for their hello at once, beyond the group's own two per
+// peer: past it the oldest is refused, so idle strangers cannot use up the
+// process's descriptors (a peer's hello comes within a millisecond).
+constexpr size_t kMaxPendingStrangers = 64;
 // accept() failing for want of descriptors (EMFILE, ENFILE) or memory leaves
 // the connection queued and the socket readable: the loop stops watching it
 // for a while (doubling up to the maximum) instead of spinning on it.
@@ -240,6 +244,12 @@ void TcpMesh::acceptLoop() {
                      SOCK_CLOEXEC | SOCK_NONBLOCK);
       p.deadline = Clock::now() + kHandshakeTimeout;
       if (p.fd >= 0) {
+        if (pending.size() >= kMaxPendingStrangers + 2 * static_cast<size_t>(size_)) {
+          refuse(pending.front(), "dropped for a newer connection: " +
+                                      std::to_string(pending.size()) +
+                                      " connections were waiting for their hello");
+          pending.erase(pending.begin());
+        }
         pending.push_back(p);
         backoff = std::chrono::milliseconds(0);
       } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
