@@ -558,6 +558,38 @@ def test_failed_setups_leave_no_descriptors(bare_worlds):
         assert after[1] - before[1] <= LEAK_SLACK, (rank, before, after)
 
 
+def _prefix_reused_by_a_smaller_group(ctx):
+    """Remote: every rank builds a backend on one store prefix; then ranks 0
+    and 1 build a 2-rank one on the same prefix (torch reuses group names
+    after destroy_process_group). The second one's outcome on ranks 0 and 1."""
+    from torch_ringreduce import _C
+
+    store = dist.PrefixStore("reused/", ctx.new_store("reused"))
+    backend = _C.RingBackend(store, ctx.rank, ctx.world_size, timedelta(seconds=10))
+    t = torch.ones(4)
+    backend.allreduce([t]).wait()
+    backend.shutdown()
+    del backend
+    if ctx.rank == 2:
+        return None
+    try:
+        small = _C.RingBackend(store, ctx.rank, 2, timedelta(seconds=5))
+        t = torch.ones(4)
+        small.allreduce([t]).wait()
+        small.shutdown()
+        return t.tolist()
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        return str(err)
+
+
+def test_a_store_prefix_reused_by_a_group_of_another_size(bare_worlds):
+    """One set-up counter for every size: after a 3-rank group, a 2-rank one
+    on the same prefix computed a different generation on each rank and timed
+    out ("rank 0 did not publish the group secret")."""
+    results = bare_worlds(3).run(_prefix_reused_by_a_smaller_group, timeout=60)
+    assert results[0] == results[1] == [2.0] * 4, results
+
+
 def _our_threads():
     names = []
     for task in os.listdir("/proc/self/task"):

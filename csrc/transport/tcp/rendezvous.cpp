@@ -118,8 +118,12 @@ void TcpMesh::connectMesh(std::chrono::milliseconds timeout) {
   // Every store call below is bounded by the group's deadline: a rank that
   // never comes, or a store whose host stopped, fails the set-up in time.
   const std::string joining = "joining the group";
-  int64_t generation = (store_.add("ringreduce/generation", 1, deadline, joining) - 1) / size_;
-  storeBase_ = "ringreduce/" + std::to_string(generation) + "/";
+  // A counter per group size: torch reuses store prefixes (group names start
+  // again after destroy_process_group), and a group of another size on the
+  // same prefix would skew one shared count, so the ranks read different keys.
+  const std::string sized = "ringreduce/" + std::to_string(size_) + "/";
+  int64_t generation = (store_.add(sized + "generation", 1, deadline, joining) - 1) / size_;
+  storeBase_ = sized + std::to_string(generation) + "/";
   if (rank_ == 0) {
     secret_ = randomHex(sizeof(Hello::secret) / 2);
     store_.set(storeBase_ + "secret", secret_, deadline, joining);
