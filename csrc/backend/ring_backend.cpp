@@ -332,12 +332,12 @@ void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
   });
   // Its Future completes next, then its callbacks run: from there on a wait()
   // in one may run the ops queued behind it (runQueuedUntil).
-  bool marked;
-  {
+  // Sequentially consistent with the waiter's count and check (Dekker): it
+  // sees 0 here, or this sees it waiting and wakes it under mu_.
+  if (unmarked_.fetch_sub(1) == 1 && callbackWaiters_.load() > 0) {
     std::lock_guard<std::mutex> lock(mu_);
-    marked = --unmarked_ == 0 && !queue_.empty();
+    idleCv_.notify_all();
   }
-  if (marked) idleCv_.notify_all();
   if (error) {
     e.work->fail(error);
     return;
@@ -374,9 +374,15 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
                          [work](const Entry& q) { return q.work.get() == work; })) {
           return;  // already taken by the worker (running or done)
         }
-        if (!running_ && (mayRunLocked() || (inCallback && unmarked_ == 0))) break;
-        if (!inCallback) return;
-        idleCv_.wait(lock);
+        if (!inCallback) {
+          if (!running_ && mayRunLocked()) break;
+          return;
+        }
+        ++callbackWaiters_;
+        const bool mine = !running_ && (mayRunLocked() || unmarked_.load() == 0);
+        if (!mine) idleCv_.wait(lock);
+        --callbackWaiters_;
+        if (mine) break;
       }
       e = popFrontLocked();  // running_ keeps the worker off, as for an inline op
     }

@@ -234,10 +234,12 @@ class RingBackend : public c10d::Backend {
   std::vector<std::thread> workers_;  // guarded by mu_; taken by shutdown()
   size_t workersInCallbacks_ = 0;     // guarded by mu_: workers settling a Work
   size_t settling_ = 0;               // guarded by mu_: Works being settled, any thread
-  // guarded by mu_: of those, the ones whose Future is not yet complete (their
-  // callbacks have not started): a wait() in a callback may run the queue
-  // once this is 0 (runQueuedUntil).
-  size_t unmarked_ = 0;
+  // Of those, the ones whose Future is not yet complete (their callbacks have
+  // not started): a wait() in a callback may run the queue once this is 0
+  // (runQueuedUntil, counted in callbackWaiters_ while it waits on idleCv_).
+  // Atomic: settle() takes mu_ for it only when such a wait is on.
+  std::atomic<size_t> unmarked_{0};
+  std::atomic<size_t> callbackWaiters_{0};
   size_t nestedQueued_ = 0;           // guarded by mu_: queued entries with `nested`
   // What a RingWork's wait() and the workers reach the backend through. A
   // Work may outlive the backend; and a Future callback run by a worker or a

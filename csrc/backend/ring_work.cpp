@@ -185,7 +185,7 @@ void RingWork::fail(std::exception_ptr error) {
 void RingWork::settleFuture(const std::function<void()>& settle) {
   // A callback may block in torch's Future::wait() (no hook there): on a p2p
   // engine thread, make sure another thread polls meanwhile, as wait() does.
-  if (futureTaken_.load(std::memory_order_relaxed)) beforeBlocking();
+  if (futureTaken_.load(std::memory_order_relaxed)) beforeBlocking(/*certain=*/false);
   const RingWork* outer = tSettling;
   tSettling = this;
   auto restore = c10::make_scope_exit([outer] { tSettling = outer; });

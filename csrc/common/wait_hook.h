@@ -13,7 +13,9 @@
 namespace ringreduce {
 
 struct BlockingHook {
-  void (*fn)(void*) = nullptr;
+  // certain: a wait is about to block (else: user callbacks that may block
+  // are about to run).
+  void (*fn)(void*, bool certain) = nullptr;
   void* arg = nullptr;
 };
 
@@ -22,9 +24,9 @@ inline BlockingHook& blockingHook() {
   return hook;
 }
 
-inline void beforeBlocking() {
+inline void beforeBlocking(bool certain = true) {
   const BlockingHook& hook = blockingHook();
-  if (hook.fn != nullptr) hook.fn(hook.arg);
+  if (hook.fn != nullptr) hook.fn(hook.arg, certain);
 }
 
 }  // namespace ringreduce

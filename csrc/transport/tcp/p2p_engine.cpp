@@ -68,7 +68,9 @@ P2PEngine::P2PEngine(Private, int rank, int size, std::vector<int> fds,
 void P2PEngine::spawnLocked() {
   threads_.emplace_back([self = shared_from_this()] {
     nameThisThread("rr-p2p");
-    blockingHook() = {[](void* engine) { static_cast<P2PEngine*>(engine)->beforeBlocking(); },
+    blockingHook() = {[](void* engine, bool certain) {
+                        static_cast<P2PEngine*>(engine)->beforeBlocking(certain);
+                      },
                       self.get()};
     self->loop();
   });
@@ -106,12 +108,11 @@ void P2PEngine::stop() {
     std::vector<Completion> done;
     failAll("the process group was shut down", done);
     for (auto& d : done) ready_.push_back(std::move(d));
-    if (live_ == 0) {
+    // No thread left, or none free and none could start: run them here.
+    if (live_ == 0 || (!ready_.empty() && !ensureRunnerLocked("the failed ops"))) {
       orphans.assign(std::make_move_iterator(ready_.begin()),
                      std::make_move_iterator(ready_.end()));
       ready_.clear();
-    } else if (!ready_.empty()) {
-      ensureRunnerLocked("the failed ops");
     }
   }
   turnCv_.notify_all();
@@ -182,10 +183,9 @@ void P2PEngine::abort(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mu_);
     failAll(reason, done);
     // The threads run them (see stop()); after stop() none may be left.
-    if (live_ > 0) {
+    if (live_ > 0 && (done.empty() || ensureRunnerLocked("the failed ops"))) {
       for (auto& d : done) ready_.push_back(std::move(d));
       done.clear();
-      if (!ready_.empty()) ensureRunnerLocked("the failed ops");
     }
   }
   turnCv_.notify_all();
@@ -422,7 +422,24 @@ void P2PEngine::expire(std::vector<Completion>& done) {
   }
 }
 
-void P2PEngine::drain(std::string& fatalReason) {
+void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
+  if (!fatalReason.empty()) {
+    // onFatal_ first: it publishes the group's first error and aborts the
+    // mesh before a failed op's waiter (woken below) can destroy the group:
+    // the peers then name this error instead of a reset connection.
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping = stopping_;  // a callback may have stopped the engine: the owner may be gone
+      ++inCallbacks_;        // onFatal_ fails the transport's ops: callbacks run here
+    }
+    if (onFatal_ && !stopping) onFatal_(fatalReason);
+    fatalReason.clear();
+    std::lock_guard<std::mutex> lock(mu_);
+    --inCallbacks_;
+    for (auto& c : held) ready_.push_back(std::move(c));
+    held.clear();
+  }
   while (true) {
     Completion c;
     {
@@ -436,40 +453,36 @@ void P2PEngine::drain(std::string& fatalReason) {
     std::lock_guard<std::mutex> lock(mu_);
     --inCallbacks_;
   }
-  if (fatalReason.empty()) return;
-  bool stopping;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping = stopping_;  // a callback may have stopped the engine: the owner may be gone
-    ++inCallbacks_;        // onFatal_ fails the transport's ops: callbacks run here
-  }
-  if (onFatal_ && !stopping) onFatal_(fatalReason);
-  fatalReason.clear();
-  std::lock_guard<std::mutex> lock(mu_);
-  --inCallbacks_;
 }
 
-void P2PEngine::beforeBlocking() {
+void P2PEngine::beforeBlocking(bool certain) {
   std::lock_guard<std::mutex> lock(mu_);
+  // Callbacks that only may block (a taken Future's: torch's Future::wait()
+  // has no hook) get one spare thread at most: no thread per completion
+  // (Python callbacks waiting for the GIL all count as in callbacks), and a
+  // second level of such waits is left to time out.
+  if (!certain && live_ >= 2) return;
   // Also while stopping: the failures of the pending ops wait in ready_ for
   // a thread that is not blocked.
-  ensureRunnerLocked("a callback that waits");
+  ensureRunnerLocked(certain ? "a callback that waits" : "callbacks that may wait");
 }
 
-void P2PEngine::ensureRunnerLocked(const char* why) {
+bool P2PEngine::ensureRunnerLocked(const char* why) {
   if (inCallbacks_ < live_) {
     // A thread waiting for its turn, or the one polling, runs what is ready.
     if (!ready_.empty()) {
       turnCv_.notify_all();
       wake();
     }
-    return;
+    return true;
   }
   try {
     spawnLocked();
+    return true;
   } catch (const std::exception& err) {
     LOG(WARNING) << rankPrefix(rank_, size_) << " could not start another p2p thread for "
                  << why << " (" << err.what() << "); the wait may time out";
+    return false;
   }
 }
 
@@ -478,13 +491,20 @@ void P2PEngine::loop() {
   std::vector<int> peers;
   std::vector<Completion> done;
   std::string fatalReason;
+  std::vector<Completion> held;  // a fatal error's failures: run after onFatal_
   const auto collect = [&] {  // mu_ held
-    for (auto& d : done) ready_.push_back(std::move(d));
+    if (fatalReason.empty()) std::swap(fatalReason, fatal_);
+    for (auto& d : done) {
+      if (fatalReason.empty()) {
+        ready_.push_back(std::move(d));
+      } else {
+        held.push_back(std::move(d));
+      }
+    }
     done.clear();
-    std::swap(fatalReason, fatal_);
   };
   while (true) {
-    drain(fatalReason);
+    drain(fatalReason, held);
     int timeoutMs = -1;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -544,7 +564,6 @@ void P2PEngine::loop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       polling_ = false;
-      handOff = waiting_ > 0;
       for (size_t i = 0; i + 1 < pfds.size() && failed_.empty() && !stopping_; ++i) {
         if (pfds[i].revents == 0) continue;
         if (!sends_[peers[i]].empty()) writeTo(peers[i], done);
@@ -552,6 +571,9 @@ void P2PEngine::loop() {
       }
       if (failed_.empty() && !stopping_) expire(done);
       collect();
+      // Another thread polls while this one runs completions (a callback may
+      // block); with none to run, this one polls again without a wake-up.
+      handOff = waiting_ > 0 && (!ready_.empty() || !fatalReason.empty());
     }
     // Every waiter: one that finds completions ready runs them and does not
     // poll, and the next must not be left asleep.

@@ -97,16 +97,17 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   void loop();
   // Starts one more thread running loop(); mu_ held.
   void spawnLocked();
-  // Runs the ready completions one at a time, oldest first (while one blocks
-  // in a callback, another thread takes the next), then onFatal_ with
-  // `fatalReason` unless stop() came meanwhile; no lock held.
-  void drain(std::string& fatalReason);
+  // Runs onFatal_ with `fatalReason` (unless stop() came meanwhile) and then
+  // queues `held` (that error's failures), then the ready completions one at
+  // a time, oldest first (while one blocks in a callback, another thread
+  // takes the next); no lock held.
+  void drain(std::string& fatalReason, std::vector<Completion>& held);
   // A wait on an engine thread is about to block (common/wait_hook.h): another
   // thread takes over, started if every one is running completions.
-  void beforeBlocking();
+  void beforeBlocking(bool certain);
   // Wakes a thread for what is ready, or starts one if every thread is in
-  // callbacks; mu_ held.
-  void ensureRunnerLocked(const char* why);
+  // callbacks; false if none could start. mu_ held.
+  bool ensureRunnerLocked(const char* why);
   bool wantsRead(int peer) const;
   void matchHeader(int peer, std::vector<Completion>& done);
   // Hands messages read aside to the receives posted for them, oldest first.
