@@ -599,11 +599,17 @@ FLOOD_HOLD_S = 1.5
 FLOOD_CPU_LIMIT_S = 0.3
 
 
-def _out_of_descriptors(ctx, connections, hold_s):
+def _group_and_addresses(ctx):
+    """A fresh ringreduce group, its backend and every rank's listening address."""
     group, _ = _new_group()
     backend = backend_of(group)
     addrs = [None] * ctx.world_size
     dist.all_gather_object(addrs, backend.listen_address(), group=ctx.oracle)
+    return group, backend, addrs
+
+
+def _out_of_descriptors(ctx, connections, hold_s):
+    group, backend, addrs = _group_and_addresses(ctx)
     result = {}
     if ctx.rank == 0:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -654,10 +660,7 @@ PENDING_CAP = 64 + 2 * 2  # kMaxPendingStrangers + two per peer (rendezvous.cpp)
 def _idle_strangers(ctx, count):
     """Rank 1 opens `count` connections to rank 0's listening socket and sends
     nothing; rank 0 counts its descriptors while they are open."""
-    group, _ = _new_group()
-    backend = backend_of(group)
-    addrs = [None] * ctx.world_size
-    dist.all_gather_object(addrs, backend.listen_address(), group=ctx.oracle)
+    group, backend, addrs = _group_and_addresses(ctx)
     result = {}
     if ctx.rank == 0:
         before = len(os.listdir("/proc/self/fd"))
@@ -695,11 +698,8 @@ KEPT_REFUSALS = 64
 
 
 def _stranger_flood(ctx, count):
-    group, _ = _new_group()
-    backend = backend_of(group)
+    group, backend, addrs = _group_and_addresses(ctx)
     before = backend.refused_connection_count()
-    addrs = [None] * ctx.world_size
-    dist.all_gather_object(addrs, backend.listen_address(), group=ctx.oracle)
     result = {}
     if ctx.rank == 1:
         host, port = addrs[0].rsplit(":", 1)
