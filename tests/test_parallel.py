@@ -210,6 +210,37 @@ def test_process_group_argument(worlds):
     assert torch.equal(state1, state2) and count1 == count2 == 2
 
 
+def no_grad_forward_between(ctx):
+    """Remote: a synchronised forward, a no_grad forward inside no_sync() (a
+    logging probe), then the first forward's backward, in both wrappers."""
+    grads = []
+    for wrap in (DistributedDataParallel, TorchDDP):
+        torch.manual_seed(0)
+        # The probe in eval mode and no buffer broadcast: batch norm's running
+        # stats, saved for the backward, must not change in place meanwhile.
+        ddp = wrap(Net(), broadcast_buffers=False)
+        x, y = _batch(ctx.rank, 0, 0)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        with ddp.no_sync(), torch.no_grad():
+            ddp.eval()
+            ddp(x)
+            ddp.train()
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in ddp.module.parameters()
+                                if p.grad is not None]))
+    return grads
+
+
+def test_a_no_grad_forward_does_not_change_the_pending_backward(worlds):
+    """Ours let any forward decide whether the next backward syncs: the
+    backward after a no_grad probe inside no_sync() stayed local and the
+    ranks' models drifted apart. torch's DDP syncs it."""
+    results = worlds.run(2, no_grad_forward_between, timeout=60)
+    for rank, (ours, torchs) in enumerate(results):
+        torch.testing.assert_close(ours, torchs, msg=f"rank {rank}")
+    torch.testing.assert_close(results[0][0], results[1][0])
+
+
 def test_rejects_bad_bucket_cap():
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got 0"):
         DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=0)

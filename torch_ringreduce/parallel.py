@@ -158,7 +158,11 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         if self._callback_queued:  # the last backward failed before its end
             self._abandon_backward()
-        self._sync_backward = self._require_sync
+        # As torch's reducer: only a forward autograd records decides what the
+        # next backward does (a logging forward under no_grad inside no_sync()
+        # used to turn the pending backward's sync off).
+        if torch.is_grad_enabled():
+            self._sync_backward = self._require_sync
         if self.broadcast_buffers and self._sync_buffers_next and self.world_size > 1:
             self._broadcast(list(self.module.buffers()))
         # As torch's DDP: the next forward syncs buffers only after a
