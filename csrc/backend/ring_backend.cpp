@@ -331,9 +331,9 @@ void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
     if (wake) cv_.notify_all();  // a worker held back by mayRunLocked()
   });
   // Its Future completes next, then its callbacks run: from there on a wait()
-  // in one may run the ops queued behind it (runQueuedUntil).
-  // Sequentially consistent with the waiter's count and check (Dekker): it
-  // sees 0 here, or this sees it waiting and wakes it under mu_.
+  // in one may run the ops queued behind it (runQueuedUntil). Sequentially
+  // consistent with the waiter's count and check (Dekker): it sees 0 here, or
+  // this sees it waiting and wakes it under mu_.
   if (unmarked_.fetch_sub(1) == 1 && callbackWaiters_.load() > 0) {
     std::lock_guard<std::mutex> lock(mu_);
     idleCv_.notify_all();
@@ -374,15 +374,14 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
                          [work](const Entry& q) { return q.work.get() == work; })) {
           return;  // already taken by the worker (running or done)
         }
-        if (!inCallback) {
-          if (!running_ && mayRunLocked()) break;
-          return;
-        }
+        if (!running_ && mayRunLocked()) break;
+        if (!inCallback) return;
+        // Counted before the check (Dekker with settle()'s decrement).
         ++callbackWaiters_;
-        const bool mine = !running_ && (mayRunLocked() || unmarked_.load() == 0);
-        if (!mine) idleCv_.wait(lock);
+        const bool marked = !running_ && unmarked_.load() == 0;
+        if (!marked) idleCv_.wait(lock);
         --callbackWaiters_;
-        if (mine) break;
+        if (marked) break;
       }
       e = popFrontLocked();  // running_ keeps the worker off, as for an inline op
     }

@@ -459,8 +459,8 @@ void P2PEngine::beforeBlocking(bool certain) {
   std::lock_guard<std::mutex> lock(mu_);
   // Callbacks that only may block (a taken Future's: torch's Future::wait()
   // has no hook) get one spare thread at most: no thread per completion
-  // (Python callbacks waiting for the GIL all count as in callbacks), and a
-  // second level of such waits is left to time out.
+  // (Python callbacks waiting for the GIL all count as in callbacks). A
+  // second level of such waits stalls the engine (docs/DESIGN.md).
   if (!certain && live_ >= 2) return;
   // Also while stopping: the failures of the pending ops wait in ready_ for
   // a thread that is not blocked.
