@@ -613,6 +613,13 @@ def _threads_around_destroy(ctx):
     model = DDP(torch.nn.Linear(8, 8))
     for _ in range(3):
         model(torch.randn(4, 8)).sum().backward()
+    # A callback that holds the queue (rank 0 late, so rank 1's first op
+    # settles on the worker with the second queued): the watcher runs it.
+    if ctx.rank == 0:
+        time.sleep(0.2)
+    first = dist.all_reduce(torch.ones(4), async_op=True)
+    later = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+    first.get_future().then(lambda f: later.wait()).wait()
     dist.barrier()
     during = _our_threads()
     dist.destroy_process_group()

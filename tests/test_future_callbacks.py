@@ -247,29 +247,39 @@ def test_destroy_while_a_p2p_callback_waits_for_a_later_receive(worlds, how):
     assert "shut down" in error or "abort" in error, error
 
 
-def _callback_waits_for_an_op_queued_before(ctx, sleeper):
+def _callback_waits_for_an_op_queued_before(ctx, sleeper, how):
     """Remote: two async all_reduces, then a callback of the first that waits
-    for the second (its Work). Rank `sleeper` arrives late, so the callback
-    runs on the worker while the second op is still queued behind it."""
+    for the second (its Work, or torch's Future.wait(), which never reaches
+    us). Rank `sleeper` arrives late, so the callback runs on the worker while
+    the second op is still queued behind it."""
     if ctx.rank == sleeper:
         time.sleep(0.3)
     a = torch.full((4,), float(ctx.rank + 1))
     b = torch.full((4,), float(10 * (ctx.rank + 1)))
     first = dist.all_reduce(a, async_op=True)
     second = dist.all_reduce(b, async_op=True)
-    waited = first.get_future().then(lambda f: second.wait()).wait()
+    if how == "work":
+        waited = first.get_future().then(lambda f: second.wait()).wait()
+    else:
+        later = second.get_future()
+        waited = first.get_future().then(lambda f: later.wait() is not None).wait()
     return [waited, a, b]
 
 
+@pytest.mark.parametrize("how", ["work", "future"])
 @pytest.mark.parametrize("size", [2, 3])
-def test_a_callback_waits_for_an_op_queued_before_it(worlds, size):
+def test_a_callback_waits_for_an_op_queued_before_it(worlds, size, how):
     """The worker, in the first op's callbacks, held every thread off the
     queue (Futures complete in issue order) and the callback waited for the
-    queued second op: a hang with no timeout. gloo's two threads run it."""
+    queued second op: a hang with no timeout. gloo's two threads run it.
+    Work.wait() runs the queue itself; torch's Future.wait() only blocks, and
+    the backend's watcher runs the queue once the callback has held it for a
+    while."""
     total = size * (size + 1) / 2
     for sleeper in range(size):
         for rank, (waited, a, b) in enumerate(
-                worlds.run(size, _callback_waits_for_an_op_queued_before, sleeper, timeout=30)):
+                worlds.run(size, _callback_waits_for_an_op_queued_before, sleeper, how,
+                           timeout=30)):
             assert waited is True, rank
             torch.testing.assert_close(a, torch.full((4,), total))
             torch.testing.assert_close(b, torch.full((4,), 10 * total))

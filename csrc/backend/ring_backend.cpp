@@ -28,6 +28,12 @@ thread_local bool tWorkerInCallbacks = false;
 // How many Works this thread is settling (nested: a callback's own op).
 thread_local int tSettlingDepth = 0;
 
+// How long a Work's callbacks may hold the queue, with nothing settled, before
+// the watcher runs its front op (armWatcherLocked). Longer than a callback
+// usually takes, so the watcher wakes rarely and takes no op from the worker;
+// short enough that a callback blocked in a Future's wait() is not noticed.
+constexpr auto kWatchRescueAfter = std::chrono::milliseconds(10);
+
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
 
@@ -91,6 +97,47 @@ void RingBackend::spawnWorkerLocked() {
   });
 }
 
+void RingBackend::armWatcherLocked() {
+  if (stopping_) return;
+  if (!watcher_.joinable()) {
+    watcher_ = std::thread([this, weak = weakSelf()] {
+      nameThisThread("rr-watch");
+      watcherLoop(weak);
+    });
+  } else if (watcherIdle_) {
+    watcherIdle_ = false;  // at most one wake-up until it is idle again
+    watchCv_.notify_one();
+  }
+}
+
+void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    if (!watchingLocked()) {
+      watcherIdle_ = true;
+      watchCv_.wait(lock, [this] { return stopping_ || !watcherIdle_; });
+      continue;
+    }
+    // Sleeps the whole period (no wake-up when the Work settles: that would
+    // cost a context switch per op under DDP, whose bucket Futures are taken).
+    const uint64_t mark = settled_;
+    watchCv_.wait_until(lock, std::chrono::steady_clock::now() + kWatchRescueAfter,
+                        [this] { return stopping_; });
+    if (stopping_ || settled_ != mark || !stalledLocked()) continue;
+    // Every finished op's Future is complete, so Futures still complete in
+    // issue order; the callbacks of this op may run before the held ones end,
+    // as with gloo's two threads.
+    Entry e = popFrontLocked();
+    lock.unlock();
+    {
+      c10::intrusive_ptr<RingBackend> self = weak.lock();
+      runAndSettle(e, true);  // counted as a worker: its callbacks may need one more
+    }
+    lock.lock();
+  }
+  watcherIdle_ = false;
+}
+
 void RingBackend::ensureWorkerLocked() {
   // A Future callback on a worker queued this op and may block until it
   // completes (torch's PowerSGD hook waits on a new all_reduce's Future in its
@@ -126,6 +173,7 @@ void RingBackend::shutdown() {
     if (stopping_ && workers_.empty()) return;
     stopping_ = true;
     workers.swap(workers_);  // a second shutdown() returns here at once
+    if (watcher_.joinable()) workers.push_back(std::move(watcher_));
     dropped.swap(queue_);
     nestedQueued_ = 0;
     // An op whose Work completed may still hold running_ for a moment (its
@@ -134,6 +182,7 @@ void RingBackend::shutdown() {
     busy = running_ && !runningConfirmed_.load(std::memory_order_acquire);
   }
   cv_.notify_all();
+  watchCv_.notify_all();
   idleCv_.notify_all();  // a wait() in a callback for the queue
   const std::string why = "the process group was shut down (destroy_process_group) with " +
                           std::to_string(dropped.size() + (busy ? 1 : 0)) + " op(s) pending";
@@ -243,6 +292,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
       if (e.nested) ++nestedQueued_;
       queue_.push_back(std::move(e));
       ensureWorkerLocked();
+      if (settlingTaken_ > 0) armWatcherLocked();
       cv_.notify_one();
       return work;
     }
@@ -319,13 +369,24 @@ void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
   ++tSettlingDepth;
   const bool outerOnWorker = tWorkerInCallbacks;  // a nested settle keeps it
   tWorkerInCallbacks = outerOnWorker || onWorker;
-  auto done = c10::make_scope_exit([this, onWorker, outerOnWorker] {
+  // Its Future may have callbacks that block in torch's Future::wait() for an
+  // op queued behind it: the watcher looks after the queue meanwhile. One
+  // lock per op, only when the Future was taken (DDP's buckets).
+  const bool taken = e.work->futureTaken();
+  if (taken) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++settlingTaken_;
+    if (!queue_.empty()) armWatcherLocked();
+  }
+  auto done = c10::make_scope_exit([this, onWorker, outerOnWorker, taken] {
     --tSettlingDepth;
     tWorkerInCallbacks = outerOnWorker;
     bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (onWorker) --workersInCallbacks_;
+      if (taken) --settlingTaken_;
+      ++settled_;
       wake = --settling_ == 0 && !queue_.empty();
     }
     if (wake) cv_.notify_all();  // a worker held back by mayRunLocked()

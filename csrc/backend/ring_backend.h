@@ -203,6 +203,19 @@ class RingBackend : public c10d::Backend {
   // is inside a Future's callbacks (which may wait for that work). With mu_.
   void spawnWorkerLocked();
   void ensureWorkerLocked();
+  // The watcher (thread "rr-watch", started the first time it is armed): a
+  // Future callback may block in torch's Future::wait() (which never reaches
+  // RingWork::wait) for an op queued behind its own Work, which no thread
+  // starts until that Work is settled. Armed (with mu_) while a Work whose
+  // Future was taken is settled with ops queued; when nothing has settled for
+  // kWatchRescueAfter and the queue is held only by such settling (every
+  // finished op's Future complete), it runs the queue's front op itself.
+  void armWatcherLocked();
+  bool watchingLocked() const { return settlingTaken_ > 0 && !queue_.empty(); }
+  bool stalledLocked() const {
+    return watchingLocked() && !running_ && !mayRunLocked() && unmarked_.load() == 0;
+  }
+  void watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak);
 
   std::unique_ptr<Transport> transport_;  // per peer: shared memory or TCP (factory.h)
   std::chrono::milliseconds timeout_;
@@ -241,6 +254,14 @@ class RingBackend : public c10d::Backend {
   std::atomic<size_t> unmarked_{0};
   std::atomic<size_t> callbackWaiters_{0};
   size_t nestedQueued_ = 0;           // guarded by mu_: queued entries with `nested`
+  // The watcher (armWatcherLocked), all guarded by mu_: its thread (taken by
+  // shutdown()), whether it waits with no deadline (an arm wakes it), the
+  // Works being settled whose Future was taken, and Works settled so far.
+  std::thread watcher_;
+  bool watcherIdle_ = false;
+  size_t settlingTaken_ = 0;
+  uint64_t settled_ = 0;
+  std::condition_variable watchCv_;
   // What a RingWork's wait() and the workers reach the backend through. A
   // Work may outlive the backend; and a Future callback run by a worker or a
   // helping wait() may drop the backend's last reference (destroy_process_group

@@ -41,6 +41,8 @@ class RingWork : public c10d::Work {
   uint64_t getSequencenumber() const override;
 
   DeviceStage& stage() { return stage_; }
+  // getFuture() was called: callbacks may run when this Work settles.
+  bool futureTaken() const { return futureTaken_.load(std::memory_order_relaxed); }
 
   // What wait() (without a timeout) calls before it blocks: runs this op, and
   // those queued before it, on the waiting thread when the worker is idle
