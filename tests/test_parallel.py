@@ -244,3 +244,116 @@ def test_a_no_grad_forward_does_not_change_the_pending_backward(worlds):
 def test_rejects_bad_bucket_cap():
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got 0"):
         DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=0)
+
+
+class SyncBnNet(Net):
+    """Net with our SyncBatchNorm: its backward all-reduces on the group too."""
+
+    def __init__(self):
+        super().__init__()
+        from torch_ringreduce import SyncBatchNorm
+
+        self.bn = SyncBatchNorm(32)
+
+
+def sync_bn_unused(ctx, bucket_cap_mb):
+    """Remote: ours and torch's DDP (find_unused_parameters) with our
+    SyncBatchNorm, a layer after it used on rank 0 (and every other step)
+    only. (One before it, used on some ranks only, desynchronises torch's DDP
+    too: its gradient comes after the batch norm's all-reduce on the ranks
+    that use it, at the start of backward on the others.)"""
+    torch.manual_seed(1234 + ctx.rank)
+    model = SyncBnNet()
+    reference = copy.deepcopy(model)
+    use_extra = lambda r, step: r == 0 or step % 2 == 1  # noqa: E731
+    ours = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    _train(ours, ctx.rank, STEPS, 2, use_extra)
+    theirs = TorchDDP(reference, find_unused_parameters=True, bucket_cap_mb=bucket_cap_mb)
+    _train(theirs, ctx.rank, STEPS, 2, use_extra)
+    return (torch.cat([p.detach().flatten() for p in model.parameters()]),
+            torch.cat([p.detach().flatten() for p in reference.parameters()]),
+            ours.bucket_count)
+
+
+@pytest.mark.parametrize("world_size, bucket_cap_mb", [(2, 25.0), (2, 0.002), (3, 0.005)])
+def test_unused_parameters_with_sync_batchnorm(worlds, world_size, bucket_cap_mb):
+    """A bucket holding a parameter this rank did not use went out only at the
+    end of backward, after SyncBatchNorm's backward all-reduce, while a rank
+    that used it sent it before: the ranks paired different tensors ("dtype
+    mismatch", the group aborted). As torch's reducer, ours marks a parameter
+    the forward did not reach ready at the first gradient of backward."""
+    results = worlds.run(world_size, sync_bn_unused, bucket_cap_mb, timeout=90)
+    for rank, (ours, torchs, buckets) in enumerate(results):
+        assert buckets == 1 if bucket_cap_mb >= 1 else buckets >= 3
+        torch.testing.assert_close(ours, torchs, rtol=REL_TOL, atol=1e-6, msg=f"rank {rank}")
+        assert torch.equal(ours, results[0][0]), f"rank {rank} diverged"
+
+
+class _Hidden:
+    """An output type the graph walk cannot look into."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class HiddenOutputNet(Net):
+    def __init__(self, hidden, hidden_first):
+        super().__init__()
+        self.hidden, self.hidden_first = hidden, hidden_first
+
+    def forward(self, x, use_extra=True):
+        # First in forward: last in backward, after the buckets before extra's
+        # have gone out; last in forward: first in backward.
+        if self.hidden_first:
+            extra = self.extra(torch.ones(2, 32)).sum()
+        out = super().forward(x, use_extra)
+        if not self.hidden_first:
+            extra = self.extra(torch.ones(2, 32)).sum()
+        if self.hidden == "object":
+            return out, _Hidden(extra)
+        self.saved = extra  # "attribute": the loss takes it from the module
+        return out, None
+
+
+def hidden_output(ctx, hidden, hidden_first):
+    """Remote: the loss uses a tensor the forward's outputs do not show
+    (extra's only use: use_extra is False), in an object the walk cannot look
+    into or in a module attribute: ours (a bucket per parameter), and torch's
+    DDP as the oracle; an error's text instead when ours raises."""
+    torch.manual_seed(1234 + ctx.rank)
+    model = HiddenOutputNet(hidden, hidden_first)
+    reference = copy.deepcopy(model)
+    states = []
+    for wrap in (lambda m: DistributedDataParallel(m, bucket_cap_mb=0.0005), TorchDDP):
+        module = model if not states else reference
+        ddp = wrap(module)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = _batch(ctx.rank, step, 0)
+            out, held = ddp(x, use_extra=False)
+            extra = held.tensor if held is not None else module.saved
+            try:
+                (nn.functional.cross_entropy(out, y) + extra).backward()
+            except RuntimeError as err:
+                return str(err)
+            opt.step()
+            opt.zero_grad()
+        states.append(torch.cat([p.detach().flatten() for p in module.parameters()]))
+    return states
+
+
+@pytest.mark.parametrize("hidden, hidden_first", [("object", False), ("object", True),
+                                                  ("attribute", False)])
+def test_outputs_the_walk_cannot_see(worlds, hidden, hidden_first):
+    """Outputs holding objects the walk cannot look into turn the marking of
+    unused parameters off; a parameter the outputs do not reach but whose
+    gradient comes after all is used while its bucket has not gone out."""
+    for rank, (ours, torchs) in enumerate(worlds.run(2, hidden_output, hidden, hidden_first,
+                                                     timeout=60)):
+        torch.testing.assert_close(ours, torchs, msg=f"rank {rank}")
+
+
+def test_a_gradient_after_its_bucket_went_out_as_unused_is_an_error(worlds):
+    """Never a silently zero gradient: a clear error on every rank."""
+    for rank, err in enumerate(worlds.run(2, hidden_output, "attribute", True, timeout=60)):
+        assert isinstance(err, str) and "after its bucket was sent as unused" in err, (rank, err)

@@ -21,9 +21,18 @@ How it works (the same design as torch's DDP reducer, in Python):
   ready, the bucket (and any ready buckets after it, always in index order so
   every rank issues the same sequence) is all-reduced with `async_op=True`
   while backward goes on computing earlier layers.
+- Unused parameters, as torch's reducer with `find_unused_parameters=True`:
+  a synchronised training forward walks the autograd graph from its outputs;
+  the first hook of the backward marks every parameter it did not reach ready
+  at once (its existing `.grad`, or zeros with the flag 0). So a bucket goes
+  out at the same point of every rank's backward whichever ranks skipped a
+  parameter, and other collectives in the backward (SyncBatchNorm's) pair up
+  across ranks. (Parameters reached by any forward since the last backward
+  count as used; a forward whose outputs hold other objects than tensors and
+  plain values turns the marking off until the next backward.)
 - End of backward: the first hook queues an autograd-engine callback that
-  fills in parameters that got no gradient in this backward (their existing
-  `.grad`, or zeros with the flag 0), launches the remaining buckets, waits
+  fills in parameters that got no gradient in this backward (outputs the walk
+  could not see), launches the remaining buckets, waits
   for all of them, divides by the world size and copies the averages back
   into `.grad`. A parameter no rank used keeps its `.grad` (None stays None);
   one used elsewhere but not here gets the average. Nothing hangs on unused
@@ -41,6 +50,8 @@ With a group of one there is no communication at all (and no count).
 import contextlib
 import weakref
 
+from torch.utils._pytree import tree_flatten
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,6 +60,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 __all__ = ["DistributedDataParallel"]
 
 _MIB = 1 << 20
+# What a forward's output may hold, flattened, for its graph walk to be
+# trusted: anything else may hide tensors the loss uses.
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, complex, str, bytes, type(None))
+_UNKNOWN = object()  # a forward's outputs held something the walk cannot see
 
 
 class _Bucket:
@@ -78,6 +93,11 @@ class _Bucket:
         self.ready = [False] * len(self.params)
         self.pending = len(self.params)
         self.work = None
+
+    def restage(self, slot, grad):
+        """A gradient for `slot` after it was marked ready as unused (not launched yet)."""
+        self.view(slot).copy_(grad)
+        self.flags[slot] = 1
 
     def put(self, slot, grad):
         """Stage `grad` (None: unused here) for `slot`; True when the bucket is full."""
@@ -128,6 +148,10 @@ class DistributedDataParallel(nn.Module):
         self._slot_of = {}  # id(param) -> (bucket, slot)
         self._callback_queued = False
         self._next_launch = 0
+        # Parameters (ids) the synchronised forwards since the last backward
+        # reached; None: no such forward; _UNKNOWN: outputs the walk cannot see.
+        self._reached = None
+        self._marked_unused = set()  # ids marked ready as unused in this backward
         self._hook_handles = []
         self._broadcast(list(module.parameters()) + list(module.buffers()))
         if self.world_size > 1:
@@ -168,7 +192,10 @@ class DistributedDataParallel(nn.Module):
         # As torch's DDP: the next forward syncs buffers only after a
         # synchronised training forward (not after no_sync() or no_grad ones).
         self._sync_buffers_next = torch.is_grad_enabled() and self._require_sync
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self._sync_backward and self.world_size > 1:
+            self._note_reached(output)
+        return output
 
     # ------------------------------------------------------------ set-up
 
@@ -220,6 +247,31 @@ class DistributedDataParallel(nn.Module):
             for p in bucket.params:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
+    def _note_reached(self, output):
+        """Adds the parameters `output`'s autograd graph reaches to `_reached`."""
+        if self._reached is _UNKNOWN:
+            return
+        leaves = tree_flatten(output)[0]
+        if not all(isinstance(x, _PLAIN_LEAVES) for x in leaves):
+            self._reached = _UNKNOWN  # an object that may hold tensors: no marking
+            return
+        roots = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not roots:
+            return  # nothing to differentiate
+        reached = set() if self._reached is None else self._reached
+        seen, stack = set(roots), roots
+        while stack:
+            node = stack.pop()
+            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+            if variable is not None:
+                reached.add(id(variable))
+                continue
+            for child, _ in node.next_functions:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+        self._reached = reached
+
     # ------------------------------------------------------------ backward
 
     def _on_grad_ready(self, param):
@@ -228,7 +280,21 @@ class DistributedDataParallel(nn.Module):
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._mark_unreached()
         bucket, slot = self._slot_of[id(param)]
+        if id(param) in self._marked_unused:
+            # The walk missed it (an output it could not see): fine while its
+            # bucket has not gone out.
+            self._marked_unused.discard(id(param))
+            if bucket.work is None:
+                with torch.no_grad():
+                    bucket.restage(slot, param.grad)
+                return
+            raise RuntimeError(
+                "DistributedDataParallel: a parameter of shape "
+                f"{list(param.shape)} got a gradient after its bucket was sent as unused: "
+                "the forward's outputs did not show it (return the tensors the loss is "
+                "computed from, in tuples, lists or dicts)")
         if bucket.ready[slot]:
             raise RuntimeError(
                 "DistributedDataParallel: a parameter of shape "
@@ -237,6 +303,18 @@ class DistributedDataParallel(nn.Module):
         with torch.no_grad():
             if bucket.put(slot, param.grad):
                 self._launch_ready()
+
+    def _mark_unreached(self):
+        """First hook of a backward: parameters no forward reached are ready now."""
+        if self._reached is None or self._reached is _UNKNOWN:
+            return
+        with torch.no_grad():
+            for bucket in self._buckets:
+                for slot, p in enumerate(bucket.params):
+                    if id(p) not in self._reached and not bucket.ready[slot]:
+                        self._marked_unused.add(id(p))
+                        bucket.put(slot, p.grad)
+            self._launch_ready()
 
     def _launch_ready(self):
         """Launch every full bucket from the next one in index order."""
@@ -278,6 +356,8 @@ class DistributedDataParallel(nn.Module):
             bucket.reset()
         self._next_launch = 0
         self._callback_queued = False
+        self._reached = None
+        self._marked_unused = set()
 
     def _write_back(self, bucket):
         grads = bucket.buffer[:bucket.grad_numel]
