@@ -478,3 +478,38 @@ def test_avx2_build_matches_baseline_bitwise(tmp_path):
     for key, tensors in got["1"].items():
         for i, (a, b) in enumerate(zip(tensors, got["0"][key])):
             assert a.dtype == b.dtype and torch.equal(a, b), f"{key} output {i} differs"
+
+
+# ------------------------------------------------------------------ double backward
+
+@pytest.mark.parametrize("path", ["fused", "python-compiled", "python-reference"])
+@pytest.mark.parametrize("dy", ["depends-on-x", "constant"])
+def test_a_second_backward_through_it_raises(monkeypatch, path, dy):
+    """A gradient penalty through our SyncBatchNorm (create_graph=True) lost the
+    batch norm's second-order term without a word: the gradients were wrong
+    (found by review). The first-order gradients stay nn's; a backward through
+    them raises."""
+    import types
+
+    from torch_ringreduce import SyncBatchNorm, _syncbn_reference, sync_batchnorm
+
+    if path != "fused":
+        compiled = sync_batchnorm._kernels("cpu")
+        source = _syncbn_reference if path == "python-reference" else compiled
+        chosen = {n: getattr(source, n) for n in sync_batchnorm.KERNEL_NAMES}
+        monkeypatch.setattr(sync_batchnorm, "_kernels",
+                            lambda device_type: types.SimpleNamespace(fused=None, **chosen))
+    torch.manual_seed(0)
+    ours, theirs = SyncBatchNorm(3).double(), nn.BatchNorm1d(3).double()
+    grads = []
+    for bn in (ours, theirs):
+        x = torch.randn(8, 3, 4, dtype=torch.double, requires_grad=True)
+        x.data.copy_(torch.randn(8, 3, 4, generator=torch.Generator().manual_seed(1),
+                                 dtype=torch.double))
+        y = bn(x)
+        loss = y.pow(3).sum() if dy == "depends-on-x" else (y * torch.arange(4.0)).sum()
+        grads.append(torch.autograd.grad(loss, [x, bn.weight, bn.bias], create_graph=True))
+    for mine, nns in zip(*grads):
+        torch.testing.assert_close(mine, nns)
+    with pytest.raises(RuntimeError, match="SyncBatchNorm's backward is not differentiable"):
+        sum(g.pow(2).sum() for g in grads[0]).backward()

@@ -234,7 +234,23 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # as nn.SyncBatchNorm: no input grad, no collective
             _all_reduce(sums, ctx.group, ctx.world_size)
             grad_x = k.bn_backward_elemt(dy, x, mean, invstd, weight, sums, count)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return (*_not_twice(grad_x, grad_weight, grad_bias), None, None, None, None, None, None,
+                None)
+
+
+NOT_TWICE = ("[ringreduce] SyncBatchNorm's backward is not differentiable: a second backward "
+             "through its gradients (a gradient penalty, create_graph=True) is not supported")
+
+
+def _not_twice(*grads):
+    """Under create_graph, gradients whose grad_fn raises when a second backward
+    reaches them (torch's @once_differentiable, but also when dy is a constant):
+    the kernels and the collective are not differentiable, and a silently
+    missing second-order term would be wrong."""
+    if not torch.is_grad_enabled():
+        return grads
+    error = torch._C._functions.DelayedError(NOT_TWICE.encode(), len(grads))
+    return error(*[None if g is None else g.detach().requires_grad_() for g in grads])
 
 
 # ------------------------------------------------------------------ the training pass

@@ -4,11 +4,16 @@
 #include "ops/sync_batch_norm.h"
 
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 
 #include "kernels/sync_bn.h"
 
 namespace ringreduce {
 namespace {
+
+constexpr const char* kNotTwice =
+    "[ringreduce] SyncBatchNorm's backward is not differentiable: a second backward through "
+    "its gradients (a gradient penalty, create_graph=True) is not supported";
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -124,8 +129,26 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
       allReduceSum(group, sums);
       gradX = bnBackwardElemt(dy, x, mean, invstd, optional(weight), sums, count);
     }
+    notTwice(gradX, gradWeight, gradBias);
     return {gradX, gradWeight, gradBias, at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+  // The kernels are not differentiable: under create_graph the gradients are
+  // given a grad_fn that raises when a second backward reaches it (torch's
+  // @once_differentiable, but also when dy is a constant), never a silently
+  // missing second-order term.
+  static void notTwice(at::Tensor& gradX, at::Tensor& gradWeight, at::Tensor& gradBias) {
+    if (!at::GradMode::is_enabled()) return;
+    auto error = std::make_shared<torch::autograd::DelayedError>(kNotTwice, 3);
+    variable_list in;
+    for (at::Tensor* t : {&gradX, &gradWeight, &gradBias}) {
+      in.push_back(t->defined() ? t->detach().requires_grad_(true) : at::Tensor());
+    }
+    variable_list out = (*error)(std::move(in));
+    gradX = out[0];
+    gradWeight = out[1];
+    gradBias = out[2];
   }
 };
 
