@@ -430,6 +430,79 @@ def test_min_max_propagate_nan_from_any_rank(worlds, world_size):
     assert failures == [], "\n".join(failures[:12])
 
 
+def _into_inference_tensors(ctx, async_op, device="cpu"):
+    """Remote: outputs made under torch.inference_mode, written by ops issued
+    outside it (sync: on this thread; async: on the worker): all_gather into
+    a list, reduce_scatter from a list, all_reduce, a non-contiguous
+    broadcast, all_to_all, scatter and recv."""
+    r, n = ctx.rank, ctx.world_size
+    torch.set_default_device(device)  # every tensor below: on `device`
+    try:
+        return _into_inference_tensors_on(r, n, async_op)
+    finally:
+        torch.set_default_device(None)
+
+
+def _into_inference_tensors_on(r, n, async_op):
+    with torch.inference_mode():
+        gathered = [torch.zeros(3) for _ in range(n)]
+        reduced = torch.zeros(3)
+        summed = torch.full((3,), float(r + 1))
+        strided = torch.zeros(3, 2).t()
+        swapped = [torch.zeros(2) for _ in range(n)]
+        scattered = torch.zeros(2)
+        received = torch.zeros(4)
+    works = [
+        dist.all_gather(gathered, torch.full((3,), float(r)), async_op=async_op),
+        dist.reduce_scatter(reduced, [torch.full((3,), float(j)) for j in range(n)],
+                            async_op=async_op),
+        dist.all_reduce(summed, async_op=async_op),
+        dist.broadcast(torch.arange(6.0).reshape(3, 2).t() if r == 0 else strided, src=0,
+                       async_op=async_op),
+        dist.all_to_all(swapped, [torch.full((2,), float(10 * r + j)) for j in range(n)],
+                        async_op=async_op),
+        dist.scatter(scattered, [torch.full((2,), float(j)) for j in range(n)] if r == 0
+                     else None, src=0, async_op=async_op),
+    ]
+    if r == 0:
+        works.append(dist.isend(torch.arange(4.0), 1))
+    elif r == 1:
+        works.append(dist.irecv(received, 0))
+    for w in works:
+        if w is not None:
+            w.wait()
+    out = {"gathered": torch.stack(gathered), "reduced": reduced, "summed": summed,
+           "strided": strided.clone(), "swapped": torch.stack(swapped),
+           "scattered": scattered, "received": received}
+    return {k: v.cpu() for k, v in out.items()}
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_outputs_made_under_inference_mode(worlds, async_op):
+    """An op that wrote an inference tensor through torch's copy_ (list
+    outputs, a non-contiguous tensor; CUDA: every output's copy back) raised
+    "Inplace update to inference tensor outside InferenceMode" on the thread
+    running it and aborted the group (gloo fails the same all_gather)."""
+    check_inference_outputs(worlds.run(3, _into_inference_tensors, async_op))
+
+
+def check_inference_outputs(results):
+    """Closed forms for _into_inference_tensors' results."""
+    n = len(results)
+    for r, got in enumerate(results):
+        where = f"rank {r}"
+        assert torch.equal(got["gathered"], torch.arange(float(n))[:, None].expand(n, 3)), where
+        assert torch.equal(got["reduced"], torch.full((3,), float(n * r))), where
+        assert torch.equal(got["summed"], torch.full((3,), n * (n + 1) / 2)), where
+        if r != 0:  # the root sends another tensor
+            assert torch.equal(got["strided"], torch.arange(6.0).reshape(3, 2).t()), where
+        want = torch.stack([torch.full((2,), float(10 * j + r)) for j in range(n)])
+        assert torch.equal(got["swapped"], want), where
+        assert torch.equal(got["scattered"], torch.full((2,), float(r))), where
+        if r == 1:
+            assert torch.equal(got["received"], torch.arange(4.0)), where
+
+
 def _read_only_and_in_place(ctx):
     """Remote: a broadcast whose root passes an expanded tensor (only read
     there) or, async under inference_mode, a non-contiguous one; then

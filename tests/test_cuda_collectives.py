@@ -38,8 +38,9 @@ from _cases import LARGE, Cases, assert_cases
 from _harness import backend_under_test
 from _outcomes import assert_survivors_name, attempt, error_info
 from _specs import BUILDERS, MOVING, REDUCING
-from test_collectives import (SUBGROUPS, concurrent_groups, issue_all_async, point_to_point,
-                              sweep, sweep_many)
+from test_collectives import (SUBGROUPS, _into_inference_tensors, check_inference_outputs,
+                              concurrent_groups, issue_all_async, point_to_point, sweep,
+                              sweep_many)
 from test_objects_ddp import LR, STEPS, _batch, _model  # the CPU DDP test's model and data
 
 # gloo, as the backend under test, covers CUDA only in part (no reduce, gather,
@@ -246,6 +247,73 @@ def freed_outputs(ctx):
     result = cases.result()
     result["reused"] = reused
     return result
+
+
+def dependent_ops(ctx):
+    """Remote: ops queued behind an unfinished one on the same tensor (the
+    first starts after a long kernel): each must read the one before's result."""
+    n, r = ctx.world_size, ctx.rank
+    x = _slow_input(r, REUSE_COUNT)  # 2 * (rank + 1), after a long kernel
+    first = dist.all_reduce(x, async_op=True)
+    dist.all_reduce(x)  # queued behind the first: reads its result
+    first.wait()
+    shard = torch.empty(4, device=_cuda())
+    full = torch.arange(float(4 * n), device=_cuda()) + r
+    scattered = dist.reduce_scatter_tensor(shard, full, async_op=True)
+    gathered = torch.empty(4 * n, device=_cuda())
+    dist.all_gather_into_tensor(gathered, shard)  # reads the reduce-scatter's output
+    scattered.wait()
+    torch.cuda.synchronize()
+    return x.cpu(), gathered.cpu()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_cuda_an_op_behind_an_unfinished_one_reads_its_result(worlds, world_size):
+    """The copies to the host were queued when an op was issued: an op queued
+    behind an unfinished one on the same tensor read the tensor from before
+    it (x ended at the sum of the inputs, not world_size times that; found by
+    review, static). They are queued when the op runs now, in op order."""
+    n = world_size
+    for r, (x, gathered) in enumerate(worlds.run(n, dependent_ops)):
+        torch.testing.assert_close(x, torch.full_like(x, float(n * n * (n + 1))), msg=f"rank {r}")
+        want = n * torch.arange(float(4 * n)) + n * (n - 1) / 2
+        torch.testing.assert_close(gathered, want, msg=f"rank {r}")
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_cuda_outputs_made_under_inference_mode(worlds, async_op):
+    """Every CUDA output is written back with copy_ on the thread running the
+    op: an inference tensor raised there and aborted the group."""
+    check_inference_outputs(worlds.run(3, _into_inference_tensors, async_op, DEVICE))
+
+
+def root_mixes_devices(ctx, op):
+    """Remote: a gather or scatter whose root's list mixes a CPU tensor with
+    CUDA ones, on a fresh group (the error aborts it)."""
+    n, dev = ctx.world_size, _cuda()
+    group = dist.new_group(list(range(n)))
+    t = torch.ones(4, device=dev)
+    mixed = [torch.zeros(4, device=dev if j else "cpu") for j in range(n)] \
+        if ctx.rank == 0 else None
+    try:
+        if op == "gather":
+            return attempt(lambda: dist.gather(t, mixed, dst=0, group=group))
+        return attempt(lambda: dist.scatter(t, mixed, src=0, group=group))
+    finally:
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter"])
+def test_cuda_a_root_list_on_two_devices_fails_every_rank(worlds, op):
+    """Only the root raised "all tensors of one op must be on one device";
+    the other ranks, already in the op, waited for the timeout (found by
+    review, static). The root's error now aborts the group at once."""
+    for rank, err in enumerate(worlds.run(3, root_mixes_devices, op)):
+        assert err is not None, f"rank {rank}: the {op} succeeded"
+        assert "must be on one device" in err["msg"], (rank, err)
+        assert err["elapsed_s"] < 10, (rank, err)
+        if rank:
+            assert "rejected its arguments" in err["msg"], (rank, err)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

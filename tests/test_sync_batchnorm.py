@@ -513,3 +513,43 @@ def test_a_second_backward_through_it_raises(monkeypatch, path, dy):
         torch.testing.assert_close(mine, nns)
     with pytest.raises(RuntimeError, match="SyncBatchNorm's backward is not differentiable"):
         sum(g.pow(2).sum() for g in grads[0]).backward()
+
+
+# ------------------------------------------------------------------ odd per-channel arguments
+
+def _kernels_with_args(ext, device, odd):
+    """The five kernels on a float32 x on `device`; per-channel tensors, the
+    counter and dy as the kernels expect them, or (odd) float64 per-channel
+    tensors on the host, an int32 counter on the host and a float64 dy."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 4, 5, generator=gen) * 2 + 1).to(device)
+    dy = torch.randn(6, 4, 5, generator=gen).to(device)
+    chan = [torch.rand(4, generator=gen) + 0.5 for _ in range(4)]  # weight, bias, rm, rv
+    place = (lambda t: t.double()) if odd else (lambda t: t.to(device))
+    weight, bias, rm, rv = (place(t.clone()) for t in chan)
+    nbt = torch.tensor(2, dtype=torch.int32) if odd else torch.tensor(2).to(device)
+    pack = ext.bn_stats_pack(x)
+    mean, invstd, var = ext.bn_finalize(pack, 1e-5, torch.float32)
+    mean_arg, invstd_arg = (mean.double().cpu(), invstd.double().cpu()) if odd else (mean, invstd)
+    y = ext.bn_forward(x, mean_arg, invstd_arg, var, weight, bias, rm, rv, nbt, None)
+    sums = ext.bn_backward_reduce(dy.double() if odd else dy, x, mean)
+    dx = ext.bn_backward_elemt(dy.double() if odd else dy, x, mean, invstd, weight,
+                               sums.cpu() if odd else sums, pack[0])
+    return [t.cpu().double() for t in (y, rm, rv, sums, dx)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_kernels_take_per_channel_tensors_of_any_dtype_and_device(device):
+    """The CUDA kernels read per-channel tensors, the counter and dy through
+    untyped pointers on the device: another dtype was misread, a host tensor
+    faulted (found by review, static). They are converted first now, as the
+    CPU kernels do (dy of another dtype raised there)."""
+    ext = _compiled_kernels()
+    if ext is None:
+        pytest.skip("torch_ringreduce._C has no bn_* kernels")
+    if device == "cuda" and not getattr(ext, "with_cuda", False):
+        pytest.skip("torch_ringreduce._C was built without CUDA kernels")
+    want = _kernels_with_args(ext, device, odd=False)
+    got = _kernels_with_args(ext, device, odd=True)
+    for name, g, w in zip(("y", "running_mean", "running_var", "sums", "dx"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)

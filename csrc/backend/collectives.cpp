@@ -301,7 +301,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
   }
   std::vector<at::Tensor> all = outs;
   all.push_back(in);
-  DeviceStage stage = DeviceStage::begin(ctx, all);
+  // The root's list may mix devices where the others' tensor cannot.
+  DeviceStage stage;
+  roleChecks(ctx, root, [&] { stage = DeviceStage::begin(ctx, all); });
   OpInfo op = makeOp(OpKind::kGather, "gather", in, kNoReduceOp, in.numel(), root);
   std::vector<at::Tensor> hostOuts = stage.out(outs);
   at::Tensor h = stage.in(in);
@@ -347,7 +349,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& out
   }
   std::vector<at::Tensor> all = ins;
   all.push_back(out);
-  DeviceStage stage = DeviceStage::begin(ctx, all);
+  // The root's list may mix devices where the others' tensor cannot.
+  DeviceStage stage;
+  roleChecks(ctx, root, [&] { stage = DeviceStage::begin(ctx, all); });
   OpInfo op = makeOp(OpKind::kScatter, "scatter", out, kNoReduceOp, out.numel(), root);
   std::vector<at::Tensor> hostIns = stage.in(ins);
   at::Tensor h = stage.out(out);

@@ -39,10 +39,23 @@ struct DeviceStage::Impl {
   c10::cuda::CUDAStream stream;
   // c10's device-generic event (ATen's CUDAEvent would need the CUDA math
   // libraries' headers to compile).
+  c10::Event ready{c10::DeviceType::CUDA};   // what the caller queued before the op
+  bool readyAwaited = false;                 // the internal stream waits for it
   c10::Event staged{c10::DeviceType::CUDA};  // the copies to the host are done
   c10::Event done{c10::DeviceType::CUDA};    // the copies back are done
-  // (caller's tensor, its host twin) pairs to copy back after the op.
+  // (caller's tensor, its host twin) pairs to copy to the host when the op
+  // runs, and back after it. Held until then: the caller may free a tensor
+  // before the copy is queued, and recordStream only covers work queued on
+  // the stream by the time of the free.
+  std::vector<std::pair<at::Tensor, at::Tensor>> ins;
   std::vector<std::pair<at::Tensor, at::Tensor>> back;
+
+  // With the device guard set.
+  void awaitReady() {
+    if (readyAwaited) return;
+    ready.block(stream);
+    readyAwaited = true;
+  }
 
   at::Tensor twin(const at::Tensor& t) const {
     return at::empty(t.sizes(), at::TensorOptions()
@@ -76,10 +89,9 @@ DeviceStage DeviceStage::begin(const OpContext& ctx, const std::vector<at::Tenso
   c10::cuda::CUDAGuard guard(device);
   DeviceStage stage;
   stage.impl_ = std::make_shared<Impl>(device, internalStream(device.index()));
-  // The copies start after everything the caller queued before the op.
-  c10::Event ready(c10::DeviceType::CUDA);
-  ready.record(c10::cuda::getCurrentCUDAStream(device.index()));
-  ready.block(stage.impl_->stream);
+  // The copies start after everything the caller queued before the op (the
+  // internal stream waits for it when they are queued).
+  stage.impl_->ready.record(c10::cuda::getCurrentCUDAStream(device.index()));
   return stage;
 }
 
@@ -91,10 +103,7 @@ std::optional<c10::Device> DeviceStage::device() const {
 at::Tensor DeviceStage::in(const at::Tensor& t) {
   if (!impl_) return t;
   at::Tensor host = impl_->twin(t);
-  {
-    c10::cuda::CUDAStreamGuard guard(impl_->stream);
-    host.copy_(t, /*non_blocking=*/true);
-  }
+  impl_->ins.emplace_back(t, host);  // copied when the op runs (beforeRun)
   impl_->record(t);
   return host;
 }
@@ -114,20 +123,30 @@ at::Tensor DeviceStage::inout(const at::Tensor& t) {
   return host;
 }
 
-void DeviceStage::seal() {
-  if (!impl_) return;
-  c10::cuda::CUDAGuard guard(impl_->device);
-  impl_->staged.record(impl_->stream);
-}
-
 void DeviceStage::beforeRun() {
-  if (impl_) impl_->staged.synchronize();
+  if (!impl_) return;
+  // Queued here, in op order, not when the op was issued: an op queued behind
+  // an unfinished one on the same tensor (`all_reduce(x, async_op=True)`, then
+  // `all_reduce(x)`) reads the earlier op's result, whose copy back that op
+  // queued on this stream when it ran. Copied at issue, it read the tensor
+  // from before the earlier op (found by review).
+  c10::cuda::CUDAGuard guard(impl_->device);
+  impl_->awaitReady();
+  {
+    c10::cuda::CUDAStreamGuard onStream(impl_->stream);
+    for (auto& [deviceTensor, host] : impl_->ins) host.copy_(deviceTensor, /*non_blocking=*/true);
+  }
+  impl_->staged.record(impl_->stream);
+  impl_->staged.synchronize();
 }
 
 void DeviceStage::afterRun() {
   if (!impl_) return;
   c10::cuda::CUDAGuard guard(impl_->device);
+  impl_->awaitReady();  // a receive has no copies to the host
   c10::cuda::CUDAStreamGuard onStream(impl_->stream);
+  // The callers hold AutoDispatchBelowADInplaceOrView (RingBackend::runEntry):
+  // an inference tensor may be written from this thread.
   for (auto& [deviceTensor, host] : impl_->back) {
     deviceTensor.copy_(host, /*non_blocking=*/true);
   }
@@ -177,7 +196,6 @@ at::Tensor DeviceStage::out(const at::Tensor& t) {
 at::Tensor DeviceStage::inout(const at::Tensor& t) {
   return t;
 }
-void DeviceStage::seal() {}
 void DeviceStage::beforeRun() {}
 void DeviceStage::afterRun() {}
 void DeviceStage::onInternalStream(const std::function<void()>& fn) {

@@ -2,18 +2,20 @@
 // (host staging). The ring algorithms only ever see host memory; for a CUDA
 // op the calling thread gives every CUDA tensor a pinned host twin:
 //
-//   caller thread   ready = event on the caller's current stream
-//                   internal stream waits for `ready`, copies device -> twin
-//                   staged = event on the internal stream        (seal())
-//   worker thread   waits for `staged` on the host                (beforeRun())
+//   caller thread   ready = event on the caller's current stream   (begin())
+//   worker thread   internal stream waits for `ready`, copies device -> twin,
+//                   staged = event on the internal stream; waits for it on
+//                   the host                                     (beforeRun())
+//                   (in op order: an earlier op's copies back come first)
 //                   runs the CPU algorithm on the twins
 //                   copies twin -> device on the internal stream,
 //                   done = event on the internal stream           (afterRun())
 //   Work.wait()     the caller's current stream waits for `done`: the host
 //                   does not wait for the GPU (NCCL's semantics)
 //
-// Tensors the internal stream touches are recorded on it (recordStream), so
-// freeing them early cannot hand their memory to other work too soon; pinned
+// Tensors the internal stream touches are held by the stage until their copies
+// are queued and recorded on the stream (recordStream), so freeing them early
+// cannot hand their memory to other work too soon; pinned
 // twins are released through torch's host allocator, which waits for the
 // copies that read them. A CPU-only op has an empty stage and pays nothing.
 // In a build without CUDA the stage is always empty (CUDA tensors are
@@ -58,12 +60,12 @@ class DeviceStage {
     return each(ts, &DeviceStage::inout);
   }
 
-  // Caller thread, after the last in/out/inout: marks the end of the copies
-  // to the host.
-  void seal();
-  // Blocks the calling (worker) thread until the copies to the host are done.
+  // When the op runs (worker thread, in op order): queues the copies to the
+  // host, after what the caller queued before the op, and blocks until they
+  // are done.
   void beforeRun();
-  // Queues the copies back to the device; only after a successful op.
+  // Queues the copies back to the device (after what the caller queued before
+  // the op); only after a successful op.
   void afterRun();
   // Runs fn with the internal stream current (the Future records its events
   // on it).

@@ -2,6 +2,7 @@
 // barrier. The other collectives are in collectives.cpp.
 #include "backend/ring_backend.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/ScopeExit.h>
 
 #include <algorithm>
@@ -267,7 +268,6 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
                                                     std::vector<at::Tensor> outputs, bool asyncOp,
                                                     Job run, DeviceStage stage,
                                                     const std::vector<at::Tensor>& inputs) {
-  stage.seal();
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs), std::move(stage),
                                             inputs);
   Entry e{std::move(op), effective(opTimeout), work, std::move(run), tSettlingDepth > 0};
@@ -340,8 +340,14 @@ std::exception_ptr RingBackend::runEntry(Entry& e) {
   auto restore = c10::make_scope_exit([outer] { tRunningOps = outer; });
   // The op writes into the caller's tensors outside autograd, as gloo's
   // kernels do: leaves that require grad, their views and AVG's in-place
-  // division are fine in any grad mode of the calling thread.
+  // division are fine in any grad mode of the calling thread. Below the
+  // ADInplaceOrView key too: an inference tensor (made under
+  // torch.inference_mode) is written from a thread that is not in that mode
+  // (it used to fail the op and abort the group: outputs of all_gather, a
+  // non-contiguous tensor, a CUDA tensor's copy back), and no version counter
+  // moves, as when the transport writes a contiguous tensor's memory.
   at::NoGradGuard noGrad;
+  at::AutoDispatchBelowADInplaceOrView raw;
   e.op.timeout = e.timeout;
   e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
   Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, traffic_.get(), allreduce_};
@@ -575,7 +581,6 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
   // CUDA: the host waits for the copy to the host; the message leaves now.
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
   at::Tensor h = stage.in(t);
-  stage.seal();
   stage.beforeRun();
   at::Tensor s = staged(h);  // kept alive by the callback until sent
   traffic_->countOp("send");
@@ -622,7 +627,6 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
   auto type = srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV;
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
   at::Tensor h = stage.out(t);  // CUDA: copied back on the internal stream
-  stage.seal();
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, tensors, std::move(stage));
   at::Tensor s = staged(h);
   traffic_->countOp("recv");
@@ -636,6 +640,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
                          traffic->received(nbytes(s));
                          try {
                            at::NoGradGuard noGrad;
+                           at::AutoDispatchBelowADInplaceOrView raw;  // as runEntry()
                            writeBack(h, s);
                            work->stage().afterRun();
                          } catch (...) {

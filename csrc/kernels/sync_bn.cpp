@@ -46,9 +46,12 @@ at::Tensor bnInput(const at::Tensor& x) {
 at::Tensor bnGradLike(const at::Tensor& dy, const at::Tensor& x, const char* kernel) {
   TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "[ringreduce] ", kernel, ": dy ", dy.sizes(),
                     " does not match x ", x.sizes());
-  if (sameStrides(dy, x)) return dy;
-  // x is dense (bnInput): empty_like keeps its strides exactly.
-  return at::empty_like(x, x.options().dtype(dy.scalar_type())).copy_(dy);
+  if (sameStrides(dy, x) && dy.scalar_type() == x.scalar_type() && dy.device() == x.device()) {
+    return dy;
+  }
+  // x is dense (bnInput): empty_like keeps its strides exactly. The kernels
+  // read dy as x's dtype (the CUDA ones through an untyped pointer).
+  return at::empty_like(x).copy_(dy);
 }
 
 void bnCheckPerChannel(const at::Tensor& t, int64_t channels, const char* name) {

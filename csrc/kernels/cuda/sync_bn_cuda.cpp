@@ -32,14 +32,25 @@ void check(cudaError_t err, const char* kernel) {
 
 bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
-// A per-channel vector's data, contiguous: t's own, or a copy kept alive in
-// *holder (the kernels read C values in a row); null when t is absent.
+// A per-channel vector's data on `device` as `dtype`, contiguous: t's own, or
+// a copy kept alive in *holder (the kernels read C values in a row through an
+// untyped pointer, as the statistics' dtype: a tensor of another dtype or on
+// the host, which the CPU kernels convert, would be misread or fault);
+// null when t is absent.
 const void* channelData(const std::optional<at::Tensor>& t, int64_t channels, const char* name,
-                        at::Tensor* holder) {
+                        at::Tensor* holder, c10::Device device, at::ScalarType dtype) {
   if (!has(t)) return nullptr;
   bnCheckPerChannel(*t, channels, name);
-  *holder = t->contiguous();
+  *holder = t->to(device, dtype).contiguous();
   return holder->const_data_ptr();
+}
+
+// The statistics' dtype: the kernels take float or double ones.
+at::ScalarType statType(const at::Tensor& mean) {
+  TORCH_CHECK_VALUE(mean.scalar_type() == at::kFloat || mean.scalar_type() == at::kDouble,
+                    "[ringreduce] sync batch norm: statistics must be float32 or float64, got ",
+                    mean.scalar_type());
+  return mean.scalar_type();
 }
 
 cudaStream_t stream() {
@@ -84,13 +95,15 @@ at::Tensor bnForward(const at::Tensor& input, const at::Tensor& mean, const at::
   at::Tensor x;
   BnLayout l = bnLayoutOf(input, &x);
   const int64_t C = l.channels;
+  const at::ScalarType st = statType(mean);
   const DType stat = dtypeOf(mean);
+  const c10::Device dev = x.device();
   at::Tensor m, r, v, w, b;
-  const void* meanData = channelData(mean, C, "mean", &m);
-  const void* invstdData = channelData(invstd, C, "invstd", &r);
-  const void* varData = channelData(varUnbiased, C, "var_unbiased", &v);
-  const void* weightData = channelData(weight, C, "weight", &w);
-  const void* biasData = channelData(bias, C, "bias", &b);
+  const void* meanData = channelData(mean, C, "mean", &m, dev, st);
+  const void* invstdData = channelData(invstd, C, "invstd", &r, dev, st);
+  const void* varData = channelData(varUnbiased, C, "var_unbiased", &v, dev, st);
+  const void* weightData = channelData(weight, C, "weight", &w, dev, st);
+  const void* biasData = channelData(bias, C, "bias", &b, dev, st);
   at::Tensor y = at::empty_like(x);
   check(normalize(x.const_data_ptr(), y.data_ptr(), dtypeOf(x), l, meanData, invstdData, weightData,
                   biasData, stat, stream()),
@@ -98,15 +111,19 @@ at::Tensor bnForward(const at::Tensor& input, const at::Tensor& mean, const at::
   if (has(runningMean)) {
     TORCH_CHECK_VALUE(momentum.has_value() || has(numBatchesTracked),
                       "[ringreduce] bn_forward: momentum=None needs num_batches_tracked");
-    const int64_t* nbt = momentum.has_value() ? nullptr : numBatchesTracked->const_data_ptr<int64_t>();
-    // Updated in place: the caller's tensors, or contiguous copies written back.
+    // Read on the device: there, as int64.
+    at::Tensor nbtHere;
+    if (!momentum.has_value()) nbtHere = numBatchesTracked->to(dev, at::kLong);
+    const int64_t* nbt = nbtHere.defined() ? nbtHere.const_data_ptr<int64_t>() : nullptr;
+    // Updated in place: the caller's tensors, or contiguous copies (on the
+    // device, in the statistics' dtype) written back.
     bnCheckPerChannel(*runningMean, C, "running_mean");
     at::assert_no_internal_overlap(*runningMean);
-    at::Tensor rm = runningMean->contiguous(), rv;
+    at::Tensor rm = runningMean->to(dev, st).contiguous(), rv;
     if (has(runningVar)) {
       bnCheckPerChannel(*runningVar, C, "running_var");
       at::assert_no_internal_overlap(*runningVar);
-      rv = runningVar->contiguous();
+      rv = runningVar->to(dev, st).contiguous();
     }
     check(updateRunningStats(rm.data_ptr(), rv.defined() ? rv.data_ptr() : nullptr, meanData,
                              varData, stat, C, nbt, momentum.value_or(0.0), stream()),
@@ -124,7 +141,7 @@ at::Tensor bnBackwardReduce(const at::Tensor& dyIn, const at::Tensor& input, con
   at::Tensor dy = bnGradLike(dyIn, x, __func__);
   at::Tensor sums = at::zeros({2, l.channels}, input.options().dtype(at::kDouble));
   at::Tensor m;
-  const void* meanData = channelData(mean, l.channels, "mean", &m);
+  const void* meanData = channelData(mean, l.channels, "mean", &m, x.device(), statType(mean));
   if (l.numel() > 0) {
     check(backwardReduce(dy.const_data_ptr(), x.const_data_ptr(), dtypeOf(x), l, meanData,
                          dtypeOf(mean), sums.data_ptr<double>(), stream()),
@@ -140,12 +157,21 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& input, cons
   at::Tensor x;
   BnLayout l = bnLayoutOf(input, &x);
   at::Tensor dy = bnGradLike(dyIn, x, __func__);
-  at::Tensor sums = sumsIn.to(at::kDouble).contiguous();
-  at::Tensor count = countIn.to(at::kDouble).contiguous();
+  const int64_t C = l.channels;
+  TORCH_CHECK_VALUE(sumsIn.dim() == 2 && sumsIn.size(0) == 2 && sumsIn.size(1) == C,
+                    "[ringreduce] bn_backward_elemt: sums must be [2, ", C, "], got ",
+                    sumsIn.sizes());
+  TORCH_CHECK_VALUE(countIn.numel() == 1 || countIn.numel() == C, "[ringreduce] ",
+                    "bn_backward_elemt: count must have 1 or ", C, " values, got ",
+                    countIn.sizes());
+  const c10::Device dev = x.device();
+  const at::ScalarType st = statType(mean);
+  at::Tensor sums = sumsIn.to(dev, at::kDouble).contiguous();
+  at::Tensor count = countIn.to(dev, at::kDouble).contiguous();
   at::Tensor m, r, w;
-  const void* meanData = channelData(mean, l.channels, "mean", &m);
-  const void* invstdData = channelData(invstd, l.channels, "invstd", &r);
-  const void* weightData = channelData(weight, l.channels, "weight", &w);
+  const void* meanData = channelData(mean, C, "mean", &m, dev, st);
+  const void* invstdData = channelData(invstd, C, "invstd", &r, dev, st);
+  const void* weightData = channelData(weight, C, "weight", &w, dev, st);
   at::Tensor dx = at::empty_like(x);
   check(backwardElemt(dy.const_data_ptr(), x.const_data_ptr(), dx.data_ptr(), dtypeOf(x), l,
                       meanData, invstdData, weightData, dtypeOf(mean),
