@@ -47,7 +47,8 @@ on gloo they say what ringreduce would have moved.
 Output: a table on rank 0 (a row per metric, a column per paradigm) and --json
 (default results/paradigms.json): "kind": "paradigms", config, environment, data,
 model, "label_distribution" ({split: [[count per label] per client]} for iid,
-dirichlet and shards), and "paradigms" {name: {curve, accuracy, bytes: {measured,
+dirichlet and shards; a split no run trains on whose settings do not fit the data
+is left out, its reason in clients.splits_not_built), and "paradigms" {name: {curve, accuracy, bytes: {measured,
 formula, formula_text, ...}, ...}}.
 """
 import argparse
@@ -221,11 +222,19 @@ def describe(args, world, launcher, side, data):
     model = pdata.build_model(args.model, data.features, data.classes, args.hidden, args.seed)
     params = pdata.parameter_count(model)
     clients = world.size - 1
-    parts, distribution = {}, {}
+    parts, distribution, unbuilt = {}, {}, {}
+    trained = {split for _, _, split in run_names(args) if split is not None}
     if clients >= 1:
         for kind in pdata.SPLITS:
-            parts[kind] = pdata.client_splits(data.y_train, clients, kind, args.seed,
-                                              args.alpha, args.shards_per_client)
+            try:
+                parts[kind] = pdata.client_splits(data.y_train, clients, kind, args.seed,
+                                                  args.alpha, args.shards_per_client)
+            except ValueError as err:
+                if kind in trained:
+                    raise
+                # Only described, not trained on: its settings need not fit.
+                unbuilt[kind] = str(err)
+                continue
             distribution[kind] = pdata.label_counts(data.y_train, parts[kind], data.classes)
     doc = {"kind": KIND, "label": f"{args.dataset} {args.model} on {args.backend}, "
                                   f"{world.size} ranks",
@@ -237,7 +246,8 @@ def describe(args, world, launcher, side, data):
                                                                        world.size)},
            "clients": {"count": clients, "ranks": list(range(1, world.size)),
                        "server_rank": 0, "sizes": {k: [len(p) for p in v]
-                                                   for k, v in parts.items()}},
+                                                   for k, v in parts.items()},
+                       "splits_not_built": unbuilt},
            "label_distribution": distribution, "paradigms": {}}
     return doc, parts
 

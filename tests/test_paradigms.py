@@ -336,3 +336,25 @@ def test_script_records_label_distributions(script_run):
         assert len(counts) == 2 and all(len(c) == doc["data"]["classes"] for c in counts)
         assert np.array_equal(np.sum(counts, axis=0), doc["data"]["train_label_counts"]), kind
         assert [sum(c) for c in counts] == doc["clients"]["sizes"][kind]
+
+
+def _describe_run(tmp_path, *extra):
+    cmd = [sys.executable, SCRIPT, "--nproc", "3", "--dataset", "synthetic", "--samples", "100",
+           "--shards-per-client", "50", "--epochs", "1", "--max-steps", "2", "--rounds", "1",
+           "--max-local-steps", "1", "--no-progress", "--json", str(tmp_path / "p.json"), *extra]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_a_split_no_run_trains_on_need_not_fit(tmp_path):
+    """The JSON describes every split; one whose settings do not fit the data
+    stopped runs that never train on it (--paradigm serverless with too many
+    shards per client; found by review). It is left out with its reason; a
+    split a run trains on still raises."""
+    proc = _describe_run(tmp_path, "--paradigm", "serverless")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert set(doc["label_distribution"]) == {"iid", "dirichlet"}
+    assert "lower --shards-per-client" in doc["clients"]["splits_not_built"]["shards"]
+    proc = _describe_run(tmp_path, "--paradigm", "fedavg", "--split", "shards")
+    assert proc.returncode != 0 and "lower --shards-per-client" in proc.stderr, proc.stderr[-3000:]
