@@ -16,7 +16,9 @@
 #   coll     all-reduce and broadcast on CUDA tensors, ringreduce against gloo,
 #            2 and 4 ranks, 4 KiB to 256 MiB
 #   train    ddp_cifar100.py --device cuda for 2 epochs (synthetic data) on
-#            ringreduce and on gloo: samples/s, peak memory, accuracy
+#            ringreduce and on gloo (torch's DDP and nn.SyncBatchNorm): samples/s,
+#            peak memory, accuracy; then on ringreduce with our DDP and our
+#            SyncBatchNorm; and demo.py's every-collective table on CUDA tensors
 #   studies  the course studies on CUDA tensors: bench_ddp_variants.py (every
 #            gradient-sync variant, ringreduce, gloo and nccl) and the course table
 #            (bench_collectives.py --course-table, 2 and 4 workers). nccl needs
@@ -24,8 +26,9 @@
 #            the nvidia-nccl-cu13 wheel); with an older NCCL its columns say why not.
 # Each step's output goes to the terminal and to $OUT/gpu_check.log; JSON next to it.
 # Every step fits the device tool's 10-minute limit when run alone; all of them
-# together take about 12 minutes on an H100 machine (16 cores), so run them in
-# two calls there: `build tests syncbn`, then `coll train`.
+# together take about 12 minutes on an H100 machine (16 cores) without `studies`,
+# so run them in three calls there: `tests syncbn`, then `coll train`, then
+# `studies`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-results}"
@@ -93,6 +96,13 @@ want train && for backend in ringreduce gloo; do
     --train-size 20000 --val-size 2000 --epochs 2 --batch-size 64 \
     --json "$OUT_DIR/ddp_cifar100_cuda_$backend.json"
 done
+want train && {
+  step "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 scripts/ddp_cifar100.py \
+    --device cuda --backend ringreduce --ddp ours --sync-bn ours --synthetic \
+    --train-size 20000 --val-size 2000 --epochs 2 --batch-size 64 \
+    --json "$OUT_DIR/ddp_cifar100_cuda_ringreduce_ours.json"
+  step "$PY" scripts/demo.py --device cuda --nproc 2
+}
 
 want studies && {
   step "$PY" scripts/bench_ddp_variants.py --nproc 2 --device cuda --preset small \

@@ -316,6 +316,32 @@ def test_cuda_a_root_list_on_two_devices_fails_every_rank(worlds, op):
             assert "rejected its arguments" in err["msg"], (rank, err)
 
 
+def gpu_busy_past_the_timeout(ctx):
+    """Remote: an all_reduce on a group with a 1 s timeout, issued behind
+    about 5 s of GPU work on the caller's stream."""
+    from datetime import timedelta
+
+    group = dist.new_group(list(range(ctx.world_size)), timeout=timedelta(seconds=1))
+    t = torch.ones(4, device=_cuda())
+    torch.cuda._sleep(100 * SLEEP_CYCLES)
+    try:
+        return attempt(lambda: dist.all_reduce(t, group=group, async_op=True).wait())
+    finally:
+        torch.cuda.synchronize()
+        dist.destroy_process_group(group)
+
+
+def test_cuda_a_stalled_stream_ends_at_the_op_timeout(worlds):
+    """The worker waited for an op's copies to the host with synchronize(),
+    which nothing could end: a stream stalled before the op hung the worker
+    and destroy_process_group (found by review, static). It polls now, and
+    gives up at the op's deadline."""
+    for rank, err in enumerate(worlds.run(2, gpu_busy_past_the_timeout)):
+        assert err is not None, f"rank {rank}: the op outlived its timeout"
+        assert "waiting for the GPU" in err["msg"] or "no longer usable" in err["msg"], err
+        assert err["elapsed_s"] < 4, err
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_cuda_freed_output_memory_reused_without_corruption(worlds, world_size):
     results = worlds.run(world_size, freed_outputs)

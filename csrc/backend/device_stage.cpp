@@ -3,11 +3,14 @@
 #ifdef RINGREDUCE_WITH_CUDA
 #include <c10/core/Event.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <chrono>
 #include <map>
 #include <mutex>
+#include <thread>
 #endif
 
 namespace ringreduce {
@@ -18,14 +21,20 @@ namespace {
 
 // One internal stream per device for the copies of every group in the
 // process: the copies of one op are ordered by events, never by the stream.
+// Our own (created once, never destroyed), not one of torch's pool: the pool
+// hands the same streams round-robin to others (ProcessGroupNCCL, Future
+// callbacks), whose work would then queue between our copies, and an NCCL
+// collective waiting there for its peers could hold up an op they wait for.
+// Called with the device guard of `index` set.
 c10::cuda::CUDAStream internalStream(c10::DeviceIndex index) {
   static std::mutex mu;
   static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
   std::lock_guard<std::mutex> lock(mu);
   auto it = streams.find(index);
   if (it == streams.end()) {
-    it = streams.emplace(index, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index))
-             .first;
+    cudaStream_t raw = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+    it = streams.emplace(index, c10::cuda::getStreamFromExternal(raw, index)).first;
   }
   return it->second;
 }
@@ -123,7 +132,7 @@ at::Tensor DeviceStage::inout(const at::Tensor& t) {
   return host;
 }
 
-void DeviceStage::beforeRun() {
+void DeviceStage::beforeRun(const std::function<void()>& check) {
   if (!impl_) return;
   // Queued here, in op order, not when the op was issued: an op queued behind
   // an unfinished one on the same tensor (`all_reduce(x, async_op=True)`, then
@@ -137,7 +146,17 @@ void DeviceStage::beforeRun() {
     for (auto& [deviceTensor, host] : impl_->ins) host.copy_(deviceTensor, /*non_blocking=*/true);
   }
   impl_->staged.record(impl_->stream);
-  impl_->staged.synchronize();
+  // Polled, not synchronize(): that cannot be given up. Spins briefly (a
+  // small op's copies take microseconds), then sleeps between polls.
+  const auto spinUntil = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+  while (!impl_->staged.query()) {
+    check();
+    if (std::chrono::steady_clock::now() < spinUntil) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
 }
 
 void DeviceStage::afterRun() {
@@ -196,7 +215,7 @@ at::Tensor DeviceStage::out(const at::Tensor& t) {
 at::Tensor DeviceStage::inout(const at::Tensor& t) {
   return t;
 }
-void DeviceStage::beforeRun() {}
+void DeviceStage::beforeRun(const std::function<void()>&) {}
 void DeviceStage::afterRun() {}
 void DeviceStage::onInternalStream(const std::function<void()>& fn) {
   fn();

@@ -61,9 +61,11 @@ class DeviceStage {
   }
 
   // When the op runs (worker thread, in op order): queues the copies to the
-  // host, after what the caller queued before the op, and blocks until they
-  // are done.
-  void beforeRun();
+  // host, after what the caller queued before the op, and waits until they
+  // are done, calling `check` meanwhile (it throws to give up: the op's
+  // deadline, the group aborted). The GPU may be busy for long with work
+  // queued before the op; a stalled stream must not hang the worker.
+  void beforeRun(const std::function<void()>& check);
   // Queues the copies back to the device (after what the caller queued before
   // the op); only after a successful op.
   void afterRun();

@@ -6,6 +6,7 @@
 #include <c10/util/ScopeExit.h>
 
 #include <algorithm>
+#include <system_error>
 
 #include "algorithms/algorithms.h"
 #include "backend/validate.h"
@@ -101,10 +102,15 @@ void RingBackend::spawnWorkerLocked() {
 void RingBackend::armWatcherLocked() {
   if (stopping_) return;
   if (!watcher_.joinable()) {
-    watcher_ = std::thread([this, weak = weakSelf()] {
-      nameThisThread("rr-watch");
-      watcherLoop(weak);
-    });
+    try {
+      watcher_ = std::thread([this, weak = weakSelf()] {
+        nameThisThread("rr-watch");
+        watcherLoop(weak);
+      });
+    } catch (const std::system_error&) {
+      // No thread to be had: the ops go on without the rescue (a callback
+      // blocked as described waits, as before the watcher).
+    }
   } else if (watcherIdle_) {
     watcherIdle_ = false;  // at most one wake-up until it is idle again
     watchCv_.notify_one();
@@ -218,6 +224,20 @@ void RingBackend::shutdown() {
       t.join();
     }
   }
+}
+
+std::function<void()> RingBackend::gpuWaitCheck(const OpInfo& op) const {
+  return [this, &op] {
+    const std::string reason = transport_->abortReason();
+    if (!reason.empty()) throwTransportError(op.ctx.message("the group is no longer usable") +
+                                             "; first error: " + reason);
+    if (std::chrono::steady_clock::now() > op.deadline) {
+      throwTransportError(op.ctx.message(
+          "timed out after " + std::to_string(op.timeout.count()) +
+          " ms waiting for the GPU to finish the work queued before the op (its inputs are "
+          "copied to the host after it)"));
+    }
+  };
 }
 
 void RingBackend::abort() {
@@ -353,7 +373,7 @@ std::exception_ptr RingBackend::runEntry(Entry& e) {
   Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, traffic_.get(), allreduce_};
   DeviceStage& stage = e.work->stage();
   try {
-    stage.beforeRun();  // CUDA: the copies to the host are done
+    stage.beforeRun(gpuWaitCheck(e.op));  // CUDA: the copies to the host are done
     e.run(comm);
     transport_->confirm(e.op);
     runningConfirmed_.store(true, std::memory_order_release);
@@ -581,7 +601,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
   // CUDA: the host waits for the copy to the host; the message leaves now.
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
   at::Tensor h = stage.in(t);
-  stage.beforeRun();
+  stage.beforeRun(gpuWaitCheck(op));
   at::Tensor s = staged(h);  // kept alive by the callback until sent
   traffic_->countOp("send");
   std::shared_ptr<Traffic> traffic = traffic_;

@@ -203,6 +203,9 @@ class RingBackend : public c10d::Backend {
   // is inside a Future's callbacks (which may wait for that work). With mu_.
   void spawnWorkerLocked();
   void ensureWorkerLocked();
+  // What a CUDA op's wait for its copies to the host checks (DeviceStage::
+  // beforeRun): the group aborted, the op's deadline passed.
+  std::function<void()> gpuWaitCheck(const OpInfo& op) const;
   // The watcher (thread "rr-watch", started the first time it is armed): a
   // Future callback may block in torch's Future::wait() (which never reaches
   // RingWork::wait) for an op queued behind its own Work, which no thread
