@@ -21,18 +21,26 @@ How it works (the same design as torch's DDP reducer, in Python):
   ready, the bucket (and any ready buckets after it, always in index order so
   every rank issues the same sequence) is all-reduced with `async_op=True`
   while backward goes on computing earlier layers.
-- Unused parameters, as torch's reducer with `find_unused_parameters=True`:
-  a synchronised training forward walks the autograd graph from its outputs;
-  the first hook of the backward marks every parameter it did not reach ready
-  at once (its existing `.grad`, or zeros with the flag 0). So a bucket goes
-  out at the same point of every rank's backward whichever ranks skipped a
-  parameter, and other collectives in the backward (SyncBatchNorm's) pair up
-  across ranks. (Parameters reached by any forward since the last backward
-  count as used; a forward whose outputs hold other objects than tensors and
-  plain values turns the marking off until the next backward.)
+- Unused parameters need no flag: they are filled in at the end of backward
+  (below). With `find_unused_parameters=True`, as torch's reducer, a
+  synchronised training forward also walks the autograd graph from its
+  outputs, and the first hook of the backward marks every parameter it did
+  not reach ready at once (its existing `.grad`, or zeros with the flag 0).
+  So a bucket goes out at the same point of every rank's backward whichever
+  ranks skipped a parameter, and other collectives in the backward
+  (SyncBatchNorm's) pair up across ranks; without it, a rank that skipped a
+  parameter sends its bucket at the end of backward, after such collectives,
+  and the ranks pair different tensors (the group fails, naming the op).
+  Parameters reached by any forward since the last backward count as used; a
+  forward whose outputs hold objects other than tensors and plain values, or
+  whose graph holds a reentrant checkpoint (which hides the parameters inside
+  it), turns the marking off until the next backward. A parameter marked
+  unused whose gradient comes after all (the loss used it outside the
+  forward) is used while its bucket has not gone out, else raises, as
+  torch's DDP does with the flag.
 - End of backward: the first hook queues an autograd-engine callback that
-  fills in parameters that got no gradient in this backward (outputs the walk
-  could not see), launches the remaining buckets, waits
+  fills in parameters that got no gradient in this backward, launches the
+  remaining buckets, waits
   for all of them, divides by the world size and copies the averages back
   into `.grad`. A parameter no rank used keeps its `.grad` (None stays None);
   one used elsewhere but not here gets the average. Nothing hangs on unused
@@ -124,6 +132,11 @@ class DistributedDataParallel(nn.Module):
         process_group: the group to average over; None for the default group.
         bucket_cap_mb: target size of a gradient bucket in MiB.
         broadcast_buffers: broadcast buffers from rank 0 before every forward.
+        find_unused_parameters: walk each synchronised forward's graph and mark
+            the parameters it did not reach ready at the first gradient (as
+            torch's): needed when ranks skip different parameters and the
+            backward runs other collectives (SyncBatchNorm). Unused parameters
+            work without it otherwise.
 
     Attributes:
         allreduce_count: gradient all-reduces launched so far (one per bucket
@@ -131,8 +144,10 @@ class DistributedDataParallel(nn.Module):
         bucket_count: number of gradient buckets.
     """
 
-    def __init__(self, module, process_group=None, bucket_cap_mb=25.0, broadcast_buffers=True):
+    def __init__(self, module, process_group=None, bucket_cap_mb=25.0, broadcast_buffers=True,
+                 find_unused_parameters=False):
         super().__init__()
+        self.find_unused_parameters = find_unused_parameters
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.module = module
@@ -193,7 +208,8 @@ class DistributedDataParallel(nn.Module):
         # synchronised training forward (not after no_sync() or no_grad ones).
         self._sync_buffers_next = torch.is_grad_enabled() and self._require_sync
         output = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and self._sync_backward and self.world_size > 1:
+        if (self.find_unused_parameters and torch.is_grad_enabled() and self._sync_backward
+                and self.world_size > 1):
             self._note_reached(output)
         return output
 
@@ -255,10 +271,10 @@ class DistributedDataParallel(nn.Module):
         if not all(isinstance(x, _PLAIN_LEAVES) for x in leaves):
             self._reached = _UNKNOWN  # an object that may hold tensors: no marking
             return
-        roots = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        if not roots:
-            return  # nothing to differentiate
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         reached = set() if self._reached is None else self._reached
+        reached.update(id(t) for t in tensors if t.grad_fn is None and t.requires_grad)  # a leaf
+        roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
         seen, stack = set(roots), roots
         while stack:
             node = stack.pop()
@@ -266,6 +282,11 @@ class DistributedDataParallel(nn.Module):
             if variable is not None:
                 reached.add(id(variable))
                 continue
+            if type(node).__name__ == "CheckpointFunctionBackward":
+                # A reentrant checkpoint: the parameters inside are not in
+                # the graph until its backward recomputes them.
+                self._reached = _UNKNOWN
+                return
             for child, _ in node.next_functions:
                 if child is not None and child not in seen:
                     seen.add(child)
@@ -280,7 +301,7 @@ class DistributedDataParallel(nn.Module):
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._mark_unreached()
+            self._mark_unreached(param)
         bucket, slot = self._slot_of[id(param)]
         if id(param) in self._marked_unused:
             # The walk missed it (an output it could not see): fine while its
@@ -293,8 +314,9 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError(
                 "DistributedDataParallel: a parameter of shape "
                 f"{list(param.shape)} got a gradient after its bucket was sent as unused: "
-                "the forward's outputs did not show it (return the tensors the loss is "
-                "computed from, in tuples, lists or dicts)")
+                "the forward's outputs did not reach it (find_unused_parameters=True needs "
+                "the loss computed from what the forward returns, in tensors, tuples, lists "
+                "or dicts; without the flag such losses work)")
         if bucket.ready[slot]:
             raise RuntimeError(
                 "DistributedDataParallel: a parameter of shape "
@@ -304,14 +326,14 @@ class DistributedDataParallel(nn.Module):
             if bucket.put(slot, param.grad):
                 self._launch_ready()
 
-    def _mark_unreached(self):
-        """First hook of a backward: parameters no forward reached are ready now."""
+    def _mark_unreached(self, first):
+        """First hook of a backward (`first`'s): parameters no forward reached are ready now."""
         if self._reached is None or self._reached is _UNKNOWN:
             return
         with torch.no_grad():
             for bucket in self._buckets:
                 for slot, p in enumerate(bucket.params):
-                    if id(p) not in self._reached and not bucket.ready[slot]:
+                    if id(p) not in self._reached and p is not first and not bucket.ready[slot]:
                         self._marked_unused.add(id(p))
                         bucket.put(slot, p.grad)
             self._launch_ready()
