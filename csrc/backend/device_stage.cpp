@@ -157,6 +157,7 @@ void DeviceStage::beforeRun(const std::function<void()>& check) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
+  impl_->ins.clear();  // copied and recorded: the caller's tensors are free to go
 }
 
 void DeviceStage::afterRun() {
