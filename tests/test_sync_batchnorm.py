@@ -553,3 +553,23 @@ def test_kernels_take_per_channel_tensors_of_any_dtype_and_device(device):
     got = _kernels_with_args(ext, device, odd=True)
     for name, g, w in zip(("y", "running_mean", "running_var", "sums", "dx"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_finalize_keeps_a_nan_channel_nan(device):
+    """The CUDA finalize clamped the variance with fmax(v, 0), which turns a
+    NaN into 0: a channel with a NaN or an inf got finite statistics where the
+    CPU kernels, the reference and nn give NaN (found by review, static)."""
+    ext = _compiled_kernels()
+    if ext is None:
+        pytest.skip("torch_ringreduce._C has no bn_* kernels")
+    if device == "cuda" and not getattr(ext, "with_cuda", False):
+        pytest.skip("torch_ringreduce._C was built without CUDA kernels")
+    x = torch.randn(8, 3, 5, dtype=torch.float64)
+    x[2, 1, 3] = float("nan")
+    pack = ext.bn_stats_pack(x.to(device))
+    got = [t.cpu() for t in ext.bn_finalize(pack, 1e-5, torch.float64)]
+    want = ref_kernels.bn_finalize(ref_kernels.bn_stats_pack(x), 1e-5, torch.float64)
+    for name, g, w in zip(("mean", "invstd", "var_unbiased"), got, want):
+        assert torch.isnan(g[1]) and torch.isnan(w[1]), (name, g, w)
+        torch.testing.assert_close(g, w, equal_nan=True, msg=name)

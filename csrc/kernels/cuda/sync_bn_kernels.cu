@@ -85,7 +85,10 @@ __global__ void finalizeKernel(const double* pack, int64_t C, double eps, S* mea
   if (c >= C) return;
   const double n = pack[c];
   const double mu = n > 0 ? pack[C + c] / n : 0.0;
-  const double biased = n > 0 ? fmax((pack[2 * C + c] - pack[C + c] * mu) / n, 0.0) : 0.0;
+  // Clamped at 0 as the CPU's std::max does: a NaN stays NaN (fmax would give 0
+  // and a channel with a NaN or inf would get a finite running_var).
+  const double raw = n > 0 ? (pack[2 * C + c] - pack[C + c] * mu) / n : 0.0;
+  const double biased = raw < 0.0 ? 0.0 : raw;
   mean[c] = static_cast<S>(mu);
   invstd[c] = static_cast<S>(rsqrt(biased + eps));
   var[c] = static_cast<S>(n > 1 ? biased * n / (n - 1) : biased);
