@@ -573,3 +573,24 @@ def test_finalize_keeps_a_nan_channel_nan(device):
     for name, g, w in zip(("mean", "invstd", "var_unbiased"), got, want):
         assert torch.isnan(g[1]) and torch.isnan(w[1]), (name, g, w)
         torch.testing.assert_close(g, w, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_backward_elemt_checks_sums_and_count(device):
+    """The kernels read sums as [2, C] and count as 1 or C values (checked once,
+    for both devices, before either runs)."""
+    ext = _compiled_kernels()
+    if ext is None:
+        pytest.skip("torch_ringreduce._C has no bn_* kernels")
+    if device == "cuda" and not getattr(ext, "with_cuda", False):
+        pytest.skip("torch_ringreduce._C was built without CUDA kernels")
+    x = torch.randn(4, 3, 5, device=device)
+    stat = torch.ones(3, device=device)
+    with pytest.raises(ValueError, match=r"sums must be \[2, 3\], got \[2, 4\]"):
+        ext.bn_backward_elemt(x, x, stat, stat, None, torch.zeros(2, 4, dtype=torch.double,
+                                                                   device=device),
+                              torch.tensor([20.0]))
+    with pytest.raises(ValueError, match="count must have 1 or 3 values, got"):
+        ext.bn_backward_elemt(x, x, stat, stat, None, torch.zeros(2, 3, dtype=torch.double,
+                                                                   device=device),
+                              torch.ones(2))

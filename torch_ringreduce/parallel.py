@@ -58,12 +58,11 @@ With a group of one there is no communication at all (and no count).
 import contextlib
 import weakref
 
-from torch.utils._pytree import tree_flatten
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["DistributedDataParallel"]
 
@@ -102,8 +101,8 @@ class _Bucket:
         self.pending = len(self.params)
         self.work = None
 
-    def restage(self, slot, grad):
-        """A gradient for `slot` after it was marked ready as unused (not launched yet)."""
+    def write(self, slot, grad):
+        """`grad` into `slot`, flagged used (also a late gradient of a slot put as unused)."""
         self.view(slot).copy_(grad)
         self.flags[slot] = 1
 
@@ -116,8 +115,7 @@ class _Bucket:
             if grad.is_sparse:
                 raise RuntimeError("DistributedDataParallel: sparse gradients are not "
                                    f"supported (parameter of shape {list(grad.shape)})")
-            self.view(slot).copy_(grad)
-            self.flags[slot] = 1
+            self.write(slot, grad)
         self.ready[slot] = True
         self.pending -= 1
         return self.pending == 0
@@ -309,7 +307,7 @@ class DistributedDataParallel(nn.Module):
             self._marked_unused.discard(id(param))
             if bucket.work is None:
                 with torch.no_grad():
-                    bucket.restage(slot, param.grad)
+                    bucket.write(slot, param.grad)
                 return
             raise RuntimeError(
                 "DistributedDataParallel: a parameter of shape "

@@ -33,7 +33,7 @@ thread_local int tSettlingDepth = 0;
 // How long a Work's callbacks may hold the queue, with nothing settled, before
 // the watcher runs its front op (armWatcherLocked). Longer than a callback
 // usually takes, so the watcher wakes rarely and takes no op from the worker;
-// short enough that a callback blocked in a Future's wait() is not noticed.
+// short enough that a callback blocked in a Future's wait() loses little time.
 constexpr auto kWatchRescueAfter = std::chrono::milliseconds(10);
 
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
@@ -229,8 +229,7 @@ void RingBackend::shutdown() {
 std::function<void()> RingBackend::gpuWaitCheck(const OpInfo& op) const {
   return [this, &op] {
     const std::string reason = transport_->abortReason();
-    if (!reason.empty()) throwTransportError(op.ctx.message("the group is no longer usable") +
-                                             "; first error: " + reason);
+    if (!reason.empty()) throwTransportError(unusable(op, reason));
     if (std::chrono::steady_clock::now() > op.deadline) {
       throwTransportError(op.ctx.message(
           "timed out after " + std::to_string(op.timeout.count()) +

@@ -136,6 +136,12 @@ at::Tensor bnBackwardReduce(const at::Tensor& dy, const at::Tensor& x, const at:
 at::Tensor bnBackwardElemt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                            const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                            const at::Tensor& sums, const at::Tensor& count) {
+  // Both devices' kernels read sums as [2, C] and count as 1 or C values.
+  const int64_t C = x.dim() >= 2 ? x.size(1) : 0;
+  TORCH_CHECK_VALUE(sums.dim() == 2 && sums.size(0) == 2 && sums.size(1) == C,
+                    "[ringreduce] bn_backward_elemt: sums must be [2, ", C, "], got ", sums.sizes());
+  TORCH_CHECK_VALUE(count.numel() == 1 || count.numel() == C, "[ringreduce] ",
+                    "bn_backward_elemt: count must have 1 or ", C, " values, got ", count.sizes());
   RR_ROUTE(x, bnBackwardElemt, dy, x, mean, invstd, weight, sums, count);
 }
 

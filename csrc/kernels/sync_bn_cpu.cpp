@@ -337,11 +337,7 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& xIn, const 
   const Layout l = bnLayoutOf(xIn, &x);
   at::Tensor dy = bnGradLike(dyIn, x, "bn_backward_elemt");
   const int64_t C = l.channels;
-  at::Tensor sums = sumsIn.to(at::kDouble).contiguous();
-  TORCH_CHECK_VALUE(sums.dim() == 2 && sums.size(0) == 2 && sums.size(1) == C,
-                    "[ringreduce] bn_backward_elemt: sums must be [2, ", C, "], got ", sums.sizes());
-  TORCH_CHECK_VALUE(countIn.numel() == 1 || countIn.numel() == C, "[ringreduce] ",
-                    "bn_backward_elemt: count must have 1 or ", C, " values, got ", countIn.sizes());
+  at::Tensor sums = sumsIn.to(at::kDouble).contiguous();  // sizes checked by the router
   std::vector<double> N = countIn.numel() == C
                               ? perChannel(countIn.reshape({C}), C, 0.0, "count")
                               : std::vector<double>(C, countIn.item<double>());

@@ -157,13 +157,7 @@ at::Tensor bnBackwardElemt(const at::Tensor& dyIn, const at::Tensor& input, cons
   at::Tensor x;
   BnLayout l = bnLayoutOf(input, &x);
   at::Tensor dy = bnGradLike(dyIn, x, __func__);
-  const int64_t C = l.channels;
-  TORCH_CHECK_VALUE(sumsIn.dim() == 2 && sumsIn.size(0) == 2 && sumsIn.size(1) == C,
-                    "[ringreduce] bn_backward_elemt: sums must be [2, ", C, "], got ",
-                    sumsIn.sizes());
-  TORCH_CHECK_VALUE(countIn.numel() == 1 || countIn.numel() == C, "[ringreduce] ",
-                    "bn_backward_elemt: count must have 1 or ", C, " values, got ",
-                    countIn.sizes());
+  const int64_t C = l.channels;  // sums and count: sizes checked by the router
   const c10::Device dev = x.device();
   const at::ScalarType st = statType(mean);
   at::Tensor sums = sumsIn.to(dev, at::kDouble).contiguous();
