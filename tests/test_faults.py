@@ -590,6 +590,65 @@ def test_a_rooted_op_rejected_by_one_role_fails_every_rank(pool, op, rejecting):
             assert "rejected its arguments" in err["msg"], err
 
 
+def _one_rank_rejects(ctx, transport, op, then):
+    """Rank 1 alone passes a bad argument to an op without a root; the others'
+    arguments are fine. `then`: what rank 1 does after its ValueError: "wait"
+    (nothing for 2 s), or "next" (a valid all_reduce at once, which the
+    others, still in the first op, receive instead)."""
+    group, kind = _new_group(transport)
+    n = ctx.world_size
+    t = torch.full((4,), float(ctx.rank + 1))
+    bad = ctx.rank == 1
+
+    def first():
+        if op == "all_gather":
+            dist.all_gather([torch.empty(4) for _ in range(n - 1 if bad else n)], t,
+                            group=group)
+        elif op == "all_reduce":
+            dist.all_reduce(t, op=dist.ReduceOp.BAND if bad else dist.ReduceOp.SUM,
+                            group=group)
+        else:  # reduce_scatter_tensor: a wrong output size on rank 1
+            dist.reduce_scatter_tensor(torch.empty(4 + bad), torch.ones(4 * n), group=group)
+
+    err = attempt(first)
+    if bad and then == "wait":
+        time.sleep(2)
+    after = attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
+    return {"kind": kind, "first": err, "after": after}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("op,then", [("all_gather", "wait"), ("all_reduce", "wait"),
+                                     ("reduce_scatter_tensor", "next")])
+def test_a_bad_argument_on_one_rank_only_fails_every_rank_at_once(pool, transport, op, then):
+    """The same call passes on the other ranks, which are then in the op: they
+    used to wait for the group's timeout (gloo's do), then blame rank 1 for
+    making no progress. Rank 1's op takes its sequence number and says why in
+    the store; a rank waiting in the op finds it within about 100 ms."""
+    results = pool.run(3, _one_rank_rejects, transport, op, then, timeout=RUN_TIMEOUT_S)
+    assert [res["kind"] for res in results] == [transport] * 3
+    rejected = results[1]["first"]
+    assert rejected is not None and rejected["is_value_error"], rejected
+    assert rejected["elapsed_s"] < 1, rejected
+    # Rank 1's own words ("... list has 2 tensors ..."), minus the prefix.
+    problem = rejected["msg"].split(": ", 1)[1].splitlines()[0]
+    for rank in (0, 2):
+        err = results[rank]["first"]
+        assert err is not None, f"rank {rank}: {op} succeeded although rank 1 rejected it"
+        assert err["is_dist_backend_error"], f"rank {rank}: {err['type']}: {err['msg']}"
+        assert err["elapsed_s"] < MISMATCH_DETECT_S, err
+        if then == "wait":  # found in the store, not through rank 1's next op at 2 s
+            assert err["elapsed_s"] < 1.5, err
+        assert "rejected this op at the call" in err["msg"], err
+        assert problem in err["msg"], f"rank {rank} does not carry rank 1's error: {err}"
+        print(f"{transport} {op}: rank {rank} raised after {err['elapsed_s']:.2f} s")
+    for rank, res in enumerate(results):
+        # The group is aborted: the next op raises at once everywhere, never hangs.
+        after = res["after"]
+        assert after is not None and after["is_dist_backend_error"], f"rank {rank}: {after}"
+        assert after["elapsed_s"] < MISMATCH_DETECT_S, f"rank {rank}: {after}"
+
+
 # --------------------------------------------------------------------------
 # 6. Denial of service
 # --------------------------------------------------------------------------

@@ -49,7 +49,7 @@ std::vector<at::Tensor> allgatherFlat(const Comm& c, const std::vector<at::Tenso
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& tensors,
-                                                      const c10d::AllreduceOptions& opts) {
+                                                      const c10d::AllreduceOptions& opts) try {
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
     return allreduceSparse(tensors, opts);
   }
@@ -69,10 +69,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& t
                    writeBack(h, s);
                  },
                  std::move(stage));
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
-    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) try {
   OpContext ctx = nextContext("allreduce_coalesced", tensors);
   RR_CHECK_VALUE(!tensors.empty(), ctx, "needs at least one tensor");
   int64_t total = 0;
@@ -100,10 +100,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
                    }
                  },
                  std::move(stage));
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& tensors,
-                                                      const c10d::BroadcastOptions& opts) {
+                                                      const c10d::BroadcastOptions& opts) try {
   OpContext ctx = nextContext("broadcast", tensors);
   const at::Tensor t = single(ctx, tensors, "input");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
@@ -122,10 +122,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
                    if (c.rank != root) writeBack(h, s);
                  },
                  std::move(stage));
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tensors,
-                                                   const c10d::ReduceOptions& opts) {
+                                                   const c10d::ReduceOptions& opts) try {
   OpContext ctx = nextContext("reduce", tensors);
   const at::Tensor t = single(ctx, tensors, "input");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
@@ -147,11 +147,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tens
                    }
                  },
                  std::move(stage));
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+    const c10d::AllgatherOptions& opts) try {
   OpContext ctx = nextContext("allgather", inputs);
   const at::Tensor in = single(ctx, inputs, "input");
   RR_CHECK_VALUE(outputs.size() == 1, ctx, "expected one output list, got ", outputs.size());
@@ -172,11 +172,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
                    writeBackAll(outs, s);
                  },
                  std::move(stage), inputs);
-}
+} RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
-                                                            at::Tensor& input,
-                                                            const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) try {
   OpContext ctx = nextContext("allgather_into_tensor", input);
   checkTensor(ctx, input, "input");
   checkLike(ctx, output, input.scalar_type(), input.numel() * getSize(),
@@ -197,11 +196,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(at::Tensor& output,
                    writeBack(out, s);
                  },
                  std::move(stage), {input});
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+    const c10d::AllgatherOptions& opts) try {
   OpContext ctx = nextContext("allgather_coalesced", inputs);
   RR_CHECK_VALUE(!inputs.empty(), ctx, "needs at least one input tensor");
   RR_CHECK_VALUE(outputLists.size() == static_cast<size_t>(getSize()), ctx, "expected ",
@@ -242,11 +241,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
                    }
                  },
                  std::move(stage), inputs);
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+    const c10d::AllgatherOptions& opts) try {
   OpContext ctx = nextContext("allgather_into_tensor_coalesced", inputs);
   const int64_t total = checkCoalescedPairs(ctx, inputs, "input", outputs, "output", getSize());
   for (size_t j = 0; j < outputs.size(); ++j) {
@@ -273,11 +272,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_into_tensor_coalesced(
                    }
                  },
                  std::move(stage), inputs);
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
-                                                   const c10d::GatherOptions& opts) {
+                                                   const c10d::GatherOptions& opts) try {
   OpContext ctx = nextContext("gather", inputs);
   const at::Tensor in = single(ctx, inputs, "input");
   checkRoot(ctx, opts.rootRank, getSize(), "root rank");
@@ -323,11 +322,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
                    writeBackAll(outs, s);
                  },
                  std::move(stage), inputs);
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
-                                                    const c10d::ScatterOptions& opts) {
+                                                    const c10d::ScatterOptions& opts) try {
   OpContext ctx = nextContext("scatter", outputs);
   const at::Tensor out = single(ctx, outputs, "output");
   checkWritable(ctx, out, "output");
@@ -371,6 +370,6 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& out
                    writeBack(out, s);
                  },
                  std::move(stage));
-}
+} RR_REJECTED_AT_CALL
 
 }  // namespace ringreduce

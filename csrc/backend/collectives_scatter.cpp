@@ -56,7 +56,7 @@ std::vector<size_t> offsetsOf(const std::vector<size_t>& bytes) {
 
 c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
+    const c10d::ReduceScatterOptions& opts) try {
   OpContext ctx = nextContext("reduce_scatter", outputs);
   const at::Tensor out = single(ctx, outputs, "output");
   RR_CHECK_VALUE(inputs.size() == 1, ctx, "expected one input list, got ", inputs.size());
@@ -78,10 +78,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
                    reduceScatterInto(c, at::cat(flat), out, fn, reduceOp);
                  },
                  std::move(stage), inputs[0]);
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
-    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) try {
   OpContext ctx = nextContext("reduce_scatter_tensor", input);
   checkTensor(ctx, output, "output");
   checkLike(ctx, input, output.scalar_type(), output.numel() * getSize(),
@@ -98,11 +98,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
                    reduceScatterInto(c, in.reshape(-1).clone(), out, fn, reduceOp);
                  },
                  std::move(stage), {input});
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
+    const c10d::ReduceScatterOptions& opts) try {
   OpContext ctx = nextContext("reduce_scatter_tensor_coalesced", inputs);
   const int64_t total = checkCoalescedPairs(ctx, outputs, "output", inputs, "input", getSize());
   for (size_t j = 0; j < outputs.size(); ++j) {
@@ -137,12 +137,12 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter_tensor_coalesced(
                    }
                  },
                  std::move(stage), inputs);
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                           std::vector<int64_t>& outputSplits,
                                                           std::vector<int64_t>& inputSplits,
-                                                          const c10d::AllToAllOptions& opts) {
+                                                          const c10d::AllToAllOptions& opts) try {
   OpContext ctx = nextContext("alltoall_base", input);
   checkTensor(ctx, input, "input");
   checkWritable(ctx, output, "output");
@@ -175,11 +175,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
                    writeBack(out, sOut);
                  },
                  std::move(stage), {input});
-}
+} RR_REJECTED_AT_CALL
 
 c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
-                                                     const c10d::AllToAllOptions& opts) {
+                                                     const c10d::AllToAllOptions& opts) try {
   OpContext ctx = nextContext("alltoall", inputs);
   RR_CHECK_VALUE(inputs.size() == static_cast<size_t>(getSize()) &&
                      outputs.size() == static_cast<size_t>(getSize()),
@@ -221,6 +221,6 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& ou
                    for (int i = 0; i < c.size; ++i) writeBack(outs[i], sOut[i]);
                  },
                  std::move(stage), inputs);
-}
+} RR_REJECTED_AT_CALL
 
 }  // namespace ringreduce

@@ -248,13 +248,40 @@ std::chrono::milliseconds RingBackend::effective(std::chrono::milliseconds opTim
   return opTimeout == c10d::kUnsetTimeout ? timeout_ : opTimeout;
 }
 
+namespace {
+
+// The collective this thread is issuing: set by nextContext, taken by makeOp.
+struct Issuing {
+  const RingBackend* backend = nullptr;
+  bool taken = true;
+};
+thread_local Issuing issuing;
+
+}  // namespace
+
 OpContext RingBackend::nextContext(const char* name, TensorDesc tensor) const {
+  issuing = Issuing{this, false};
   return OpContext{getRank(), getSize(), name, seq_ + 1, std::move(tensor)};
+}
+
+void RingBackend::rejectedAtCall(const c10::Error& error) {
+  if (issuing.backend != this || issuing.taken) return;
+  issuing.taken = true;
+  uint64_t seq = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seq = ++seq_;
+  }
+  // A role check aborted the group already (roleChecks): nothing to add.
+  if (getSize() > 1 && transport_->abortReason().empty()) {
+    transport_->mesh().publishRejected(seq, error.what_without_backtrace());
+  }
 }
 
 OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
                            uint64_t total, int32_t root) {
   traffic_->countOp(name);
+  if (issuing.backend == this) issuing.taken = true;
   OpInfo op;
   std::lock_guard<std::mutex> lock(mu_);
   op.ctx = OpContext{getRank(), getSize(), name, ++seq_,

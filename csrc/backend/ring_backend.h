@@ -24,6 +24,14 @@
 #include "transport/traffic.h"
 #include "transport/transport.h"
 
+// Ends a collective's function-try-block: a check that threw before the op
+// took its sequence number is a rejection at the call (rejectedAtCall).
+#define RR_REJECTED_AT_CALL      \
+  catch (const c10::Error& e) {  \
+    rejectedAtCall(e);           \
+    throw;                       \
+  }
+
 namespace ringreduce {
 
 class WaitPolicy;
@@ -154,8 +162,15 @@ class RingBackend : public c10d::Backend {
   // it, and everything queued before it must run first).
   bool mayRunLocked() const { return settling_ == 0 || nestedQueued_ > 0; }
 
-  // The context of the next collective (for validation messages).
+  // The context of the next collective (for validation messages); notes on
+  // this thread that a collective is being issued (see rejectedAtCall).
   OpContext nextContext(const char* name, TensorDesc tensor) const;
+  // The checks of the collective this thread is issuing threw before makeOp
+  // (a bad argument): the op takes its sequence number all the same, and the
+  // error is published (Mesh::publishRejected), so peers that run the op fail
+  // it at once naming this error instead of waiting for the timeout; when
+  // every rank rejected it alike the group stays usable. The caller rethrows.
+  void rejectedAtCall(const c10::Error& error);
   // Builds the wire identity of a collective and consumes a sequence number.
   OpInfo makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
                 uint64_t total, int32_t root = kNoRoot);

@@ -54,6 +54,19 @@ class Mesh {
   virtual bool aborted() const = 0;
   virtual std::string abortReason() const = 0;
 
+  // A collective this rank rejected at the call (a bad argument) still takes
+  // its sequence number: publishRejected says so in the store (best effort,
+  // never throws), and a peer waiting in that op calls lookForRejection from
+  // its waits, which fails the op naming this rank's error (failOp) instead
+  // of waiting for the timeout. When every rank rejected the op alike, no
+  // rank waits in it and the group stays usable. lookForRejection is cheap
+  // unless due: only for collectives idle (nothing moved) kRejectionLookAfter
+  // or more, at most once per kRejectionLookAfter per mesh, and one store
+  // call at a time.
+  virtual void publishRejected(uint64_t seq, const std::string& message) = 0;
+  virtual void lookForRejection(const OpInfo& op, std::chrono::steady_clock::duration idle) = 0;
+  static constexpr std::chrono::milliseconds kRejectionLookAfter{100};
+
   // How a waiting rank spends its idle time (shared by every data path).
   virtual WaitPolicy& waitPolicy() = 0;
 

@@ -201,6 +201,31 @@ std::optional<std::string> StoreCalls::tryGet(const std::string& key, Clock::tim
   return ok ? *result : std::nullopt;
 }
 
+std::optional<std::string> StoreCalls::peek(const std::string& key, Clock::time_point deadline) {
+  if (peeking_->exchange(true)) return std::nullopt;
+  auto result = std::make_shared<std::optional<std::string>>();
+  bool ok = false;
+  try {
+    ok = run(deadline, [key, result, busy = peeking_](c10d::Store& s) {
+      try {
+        if (s.check({key})) {
+          auto v = s.get(key);
+          *result = std::string(v.begin(), v.end());
+        }
+      } catch (...) {
+        busy->store(false);
+        throw;
+      }
+      busy->store(false);
+    });
+  } catch (...) {
+    // Also when no helper started (it would have cleared the flag).
+    peeking_->store(false);
+    ok = false;
+  }
+  return ok ? *result : std::nullopt;
+}
+
 bool StoreCalls::trySetFirst(const std::string& key, const std::string& value,
                              Clock::time_point deadline) {
   try {

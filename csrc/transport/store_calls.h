@@ -12,9 +12,11 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -56,6 +58,10 @@ class StoreCalls {
   // store did not answer in time.
   bool trySetFirst(const std::string& key, const std::string& value,
                    Clock::time_point deadline);
+  // tryGet for a periodic look: while the previous peek's store call has not
+  // returned (a store that stopped answering), returns nullopt at once
+  // instead of starting another, so looks never pile up helper threads.
+  std::optional<std::string> peek(const std::string& key, Clock::time_point deadline);
 
   c10d::Store& raw() { return *store_; }
   const c10::intrusive_ptr<c10d::Store>& ptr() const { return store_; }
@@ -75,6 +81,8 @@ class StoreCalls {
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::string prefix_;
+  // A peek's store call is running (shared with its helper thread).
+  std::shared_ptr<std::atomic<bool>> peeking_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 }  // namespace ringreduce

@@ -157,7 +157,12 @@ void PeerWait::idle(const std::function<bool()>& ready,
     futexWait(&mine_.ring, seen, ms);
   }
   mine_.sleeping.store(0);
+  // What arrived while this rank slept goes first: a peer's mismatching
+  // header then fails the op in this rank's own words, not as "another rank
+  // aborted" (the peer raises its flag right after reading ours).
+  if (ready()) return;
   throwIfAborted(mesh_, seg_, op_);
+  mesh_.lookForRejection(op_, Clock::now() - idleSince_);
   // A peer that died closed its sockets. Only peers we still wait for count:
   // one that got all it needed from us may legitimately be gone already.
   peers_.clear();

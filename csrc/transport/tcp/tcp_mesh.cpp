@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <set>
 #include <thread>
+#include <optional>
+#include <string>
 
 #include "common/env.h"
 #include "transport/tcp/p2p_engine.h"
@@ -39,7 +41,7 @@ TcpMesh::~TcpMesh() {
 }
 
 void TcpMesh::fail(const OpInfo& op, int peer, const std::string& what, bool timedOut,
-                   const std::vector<int>& midMessage) {
+                   const std::vector<int>& midMessage, bool noteRejection) {
   std::string where =
       peer >= 0 ? "with rank " + std::to_string(peer) + " (" + peerAddr_[peer] + "): " : "";
   std::string message = op.ctx.message(where + what);
@@ -57,8 +59,11 @@ void TcpMesh::fail(const OpInfo& op, int peer, const std::string& what, bool tim
     message += waitChain(op, peer);
   }
   // Looked up before this rank publishes its own error, so it finds a peer's.
-  const std::string cause = groupCause(message);
+  bool answered = false;
+  const std::string cause = groupCause(message, &answered);
   if (!followChain) abandon(op, midMessage);
+  // A store that did not answer that will not answer this either.
+  if (noteRejection && answered) message += rejectionNote(op);
   abort(message);
   throwTransportError(message + cause + ". The process group is no longer usable.");
 }
@@ -83,10 +88,11 @@ void TcpMesh::awaitPeerError() {
   }
 }
 
-std::string TcpMesh::groupCause(const std::string& mine) {
+std::string TcpMesh::groupCause(const std::string& mine, bool* storeAnswered) {
   if (size_ == 1) return "";
   bool answered = false;
   auto first = store_.tryGet(storeBase_ + kAbortKey, Clock::now() + kLookupBudget, &answered);
+  if (storeAnswered != nullptr) *storeAnswered = answered;
   if (!answered) {
     return "; the first failure in the group is unknown (the store did not answer within " +
            std::to_string(kLookupBudget.count()) + " ms)";
@@ -127,6 +133,85 @@ std::string TcpMesh::waitChain(const OpInfo& op, int peer) {
   }
   return chain + "; rank " + std::to_string(cur) + " made no progress in " + op.ctx.op + "#" +
          std::to_string(op.ctx.seq) + " (stopped, hung, or never called it)";
+}
+
+std::string TcpMesh::rejectedKey(uint64_t seq) const {
+  // A few keys per group, reused: a rank that catches its errors in a loop
+  // does not grow the store. The value carries the seq it is for.
+  return storeBase_ + "rejected/" + std::to_string(seq % kRejectedKeys);
+}
+
+void TcpMesh::publishRejected(uint64_t seq, const std::string& message) {
+  if (size_ == 1 || closed_ || aborted_) return;
+  try {
+    store_.set(rejectedKey(seq),
+               std::to_string(seq) + "\n" + std::to_string(rank_) + "\n" + message,
+               Clock::now() + kPublishBudget, "publishing a rejected op");
+  } catch (const std::exception&) {
+    // Best effort: peers in the op then fail at the timeout, as before.
+  }
+}
+
+namespace {
+
+struct Rejection {
+  int rank = -1;
+  std::string message;
+};
+
+// A published rejection ("<seq>\n<rank>\n<message>") if it is for `seq` and
+// names a rank of the group.
+std::optional<Rejection> parseRejection(const std::optional<std::string>& value, uint64_t seq,
+                                        int size) {
+  if (!value) return std::nullopt;
+  const size_t a = value->find('\n');
+  const size_t b = a == std::string::npos ? a : value->find('\n', a + 1);
+  if (b == std::string::npos || value->substr(0, a) != std::to_string(seq)) return std::nullopt;
+  Rejection r{std::atoi(value->substr(a + 1, b - a - 1).c_str()), value->substr(b + 1)};
+  if (r.rank < 0 || r.rank >= size) return std::nullopt;
+  return r;
+}
+
+// `who`: "it" (the failure names the peer already) or "rank 3".
+std::string rejectionText(const std::string& who, const std::string& message) {
+  return who + " rejected this op at the call and does not run it (" + message + ")";
+}
+
+bool collective(const OpInfo& op) {
+  return op.kind != OpKind::kSend && op.kind != OpKind::kAbort;
+}
+
+}  // namespace
+
+std::string TcpMesh::rejectionNote(const OpInfo& op) {
+  if (size_ == 1 || !collective(op)) return "";
+  auto r = parseRejection(store_.tryGet(rejectedKey(op.ctx.seq), Clock::now() + kLookupBudget),
+                          op.ctx.seq, size_);
+  if (!r || r->rank == rank_) return "";
+  return "; " + rejectionText("rank " + std::to_string(r->rank), r->message);
+}
+
+void TcpMesh::lookForRejection(const OpInfo& op, Clock::duration idle) {
+  if (size_ == 1 || idle < kRejectionLookAfter || !collective(op)) return;
+  // Every 100 ms while the wait is young, then less often (a quarter of the
+  // wait, at most every 2 s): long waits for a slow peer are common and each
+  // look is a store request.
+  const Clock::duration every = std::clamp<Clock::duration>(
+      idle / 4, kRejectionLookAfter, std::chrono::seconds(2));
+  const auto now = Clock::now();
+  const int64_t nowNs = now.time_since_epoch().count();
+  int64_t last = rejectionLookedAt_.load(std::memory_order_relaxed);
+  if (nowNs - last < every.count() ||
+      !rejectionLookedAt_.compare_exchange_strong(last, nowNs, std::memory_order_relaxed)) {
+    return;
+  }
+  auto r = parseRejection(store_.peek(rejectedKey(op.ctx.seq),
+                                      std::min(op.deadline, now + kLookupBudget)),
+                          op.ctx.seq, size_);
+  if (!r || r->rank == rank_) return;
+  // The peer's error names the op and its arguments; this rank's says which
+  // op waited and for whom.
+  fail(op, r->rank, rejectionText("it", r->message), false, {}, false);
 }
 
 void TcpMesh::setAbandonHook(std::function<void(const OpInfo&)> hook) {

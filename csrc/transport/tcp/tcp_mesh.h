@@ -63,6 +63,8 @@ class TcpMesh : public Mesh {
   void setAbandonHook(std::function<void(const OpInfo&)> hook) override;
   bool aborted() const override { return aborted_; }
   std::string abortReason() const override;
+  void publishRejected(uint64_t seq, const std::string& message) override;
+  void lookForRejection(const OpInfo& op, std::chrono::steady_clock::duration idle) override;
   WaitPolicy& waitPolicy() override { return wait_; }
   std::string listenAddress() const override;
   // Why the most recent refused connections were refused (at most
@@ -84,8 +86,10 @@ class TcpMesh : public Mesh {
   void setPartial(int peer, bool partial) { partial_[peer] = partial ? 1 : 0; }
   // failOp/failTimeout, not writing abort frames to the peers in
   // `midMessage` (this thread stopped writing to them mid-message).
+  // `noteRejection`: add a peer's rejection of the op at the call, if any
+  // (rejectionNote).
   [[noreturn]] void fail(const OpInfo& op, int peer, const std::string& what, bool timedOut,
-                         const std::vector<int>& midMessage = {});
+                         const std::vector<int>& midMessage = {}, bool noteRejection = true);
   P2PEngine& p2p() { return *p2p_; }
   // Abort frames for collective op #seq to every peer at a message boundary
   // (the transport's abort() outside fail(): shutdown with an op running,
@@ -108,11 +112,19 @@ class TcpMesh : public Mesh {
   // tcp_mesh.cpp: failure paths.
   // " first error in the group: ..." or why it is unknown; "" when this rank's
   // error is the first.
-  std::string groupCause(const std::string& mine);
+  // *storeAnswered (if given): whether the store answered the lookup.
+  std::string groupCause(const std::string& mine, bool* storeAnswered = nullptr);
   // After a timeout waiting for `peer`: follows the ranks' published waits to
   // the rank that made no progress ("; rank 2 waits for rank 0; rank 0 made no
   // progress ..."), or "" when the store cannot tell.
   std::string waitChain(const OpInfo& op, int peer);
+  // The store key of a rejection of collective #seq, and what a failure of
+  // `op` adds when a rank rejected it ("; rank 1 rejected this op at the
+  // call: ..."; "" when none did or the store does not tell in time).
+  std::string rejectedKey(uint64_t seq) const;
+  std::string rejectionNote(const OpInfo& op);
+  static constexpr uint64_t kRejectedKeys = 64;
+  std::atomic<int64_t> rejectionLookedAt_{0};  // steady clock ticks
   // Writes an abort frame to every peer whose collective stream is at a
   // message boundary (not in `midMessage`), so a late peer that completes
   // this op's transfers still fails it in confirm().

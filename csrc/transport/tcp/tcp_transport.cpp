@@ -126,6 +126,10 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
     }
     return peers;
   };
+  // Nothing moved since then; a wait that long looks for a peer's rejection
+  // of the op (mesh.h), so the poll wakes at least that often.
+  Clock::time_point movedAt = Clock::now(), lastPoll = movedAt;
+  const int lookMs = static_cast<int>(Mesh::kRejectionLookAfter.count());
   while (true) {
     pfds.clear();
     peerOf.clear();
@@ -143,11 +147,22 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
       return;
     }
     int ms = millisUntil(op.deadline);
-    int ready = ms == 0 ? 0 : pollWithSpin(pfds, ms);
+    // Spin and yield only when something moved since the last poll, not
+    // again after each of a long wait's wake-ups.
+    const bool fresh = movedAt == lastPoll;
+    int ready = ms == 0 ? 0
+                : fresh ? pollWithSpin(pfds, std::min(ms, lookMs))
+                        : poll(pfds.data(), pfds.size(), std::min(ms, lookMs));
     if (mesh.aborted()) {
       throwTransportError(unusable(op, mesh.abortReason()));
     }
+    lastPoll = Clock::now();
+    if (ready > 0) movedAt = lastPoll;
     if (ready == 0) {
+      if (millisUntil(op.deadline) > 0) {
+        mesh.lookForRejection(op, lastPoll - movedAt);
+        continue;
+      }
       auto [peer, what] = timeoutReport(op, ss, rs);
       mesh.fail(op, peer, what, true, midMessage());
     }
