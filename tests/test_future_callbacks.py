@@ -266,6 +266,36 @@ def _callback_waits_for_an_op_queued_before(ctx, sleeper, how):
     return [waited, a, b]
 
 
+def _a_chain_of_callback_waits(ctx, sleeper):
+    """Remote: three async all_reduces; the first's callback waits in torch's
+    Future.wait() for the second, whose own callback waits for the third.
+    Rank `sleeper` arrives late, so every callback runs while the ops after
+    it are still queued."""
+    if ctx.rank == sleeper:
+        time.sleep(0.3)
+    ts = [torch.full((4,), float(10 ** k * (ctx.rank + 1))) for k in range(3)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    second, third = works[1].get_future(), works[2].get_future()
+    inner = second.then(lambda f: third.wait() is not None)
+    outer = works[0].get_future().then(lambda f: second.wait() is not None)
+    return [outer.wait(), inner.wait(), ts]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_chain_of_callbacks_each_waiting_for_the_next_op(worlds, size):
+    """The watcher used to run the stalled op itself: the second op's callback
+    then blocked the watcher too, and the third op never ran (a hang with no
+    timeout). It hands the op to a worker instead (a new one when every
+    worker is in callbacks), so it is free to rescue the next level."""
+    total = size * (size + 1) / 2
+    for sleeper in range(size):
+        for rank, (outer, inner, ts) in enumerate(
+                worlds.run(size, _a_chain_of_callback_waits, sleeper, timeout=30)):
+            assert outer is True and inner is True, rank
+            for k, t in enumerate(ts):
+                torch.testing.assert_close(t, torch.full((4,), 10 ** k * total))
+
+
 @pytest.mark.parametrize("how", ["work", "future"])
 @pytest.mark.parametrize("size", [2, 3])
 def test_a_callback_waits_for_an_op_queued_before_it(worlds, size, how):

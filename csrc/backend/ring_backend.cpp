@@ -133,14 +133,24 @@ void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) 
     if (stopping_ || settled_ != mark || !stalledLocked()) continue;
     // Every finished op's Future is complete, so Futures still complete in
     // issue order; the callbacks of this op may run before the held ones end,
-    // as with gloo's two threads.
-    Entry e = popFrontLocked();
-    lock.unlock();
-    {
-      c10::intrusive_ptr<RingBackend> self = weak.lock();
-      runAndSettle(e, true);  // counted as a worker: its callbacks may need one more
+    // as with gloo's two threads. A worker runs it (a new one when every
+    // worker is in callbacks), not the watcher: that op's callbacks may wait
+    // in turn for the next op (a chain), which the watcher then rescues too.
+    rescue_ = true;
+    try {
+      if (workersInCallbacks_ >= workers_.size()) spawnWorkerLocked();
+    } catch (const std::system_error&) {
+      // No thread to be had: run it here, as the only way left.
+      Entry e = popFrontLocked();
+      lock.unlock();
+      {
+        c10::intrusive_ptr<RingBackend> self = weak.lock();
+        runAndSettle(e, true);
+      }
+      lock.lock();
+      continue;
     }
-    lock.lock();
+    cv_.notify_all();
   }
   watcherIdle_ = false;
 }
@@ -465,6 +475,7 @@ RingBackend::Entry RingBackend::popFrontLocked() {
   Entry e = std::move(queue_.front());
   queue_.pop_front();
   if (e.nested) --nestedQueued_;
+  rescue_ = false;  // whoever took the front op, the watcher's hand-off is used up
   running_ = true;
   runningConfirmed_.store(false, std::memory_order_relaxed);
   return e;
@@ -509,7 +520,8 @@ void RingBackend::workerLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) {
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] {
-        return stopping_ || (!queue_.empty() && !running_ && mayRunLocked());
+        return stopping_ ||
+               (!queue_.empty() && !running_ && (mayRunLocked() || (rescue_ && stalledLocked())));
       });
       if (queue_.empty()) return;
       e = popFrontLocked();

@@ -227,7 +227,8 @@ class RingBackend : public c10d::Backend {
   // starts until that Work is settled. Armed (with mu_) while a Work whose
   // Future was taken is settled with ops queued; when nothing has settled for
   // kWatchRescueAfter and the queue is held only by such settling (every
-  // finished op's Future complete), it runs the queue's front op itself.
+  // finished op's Future complete), it lets a worker run the queue's front
+  // op (rescue_; a new worker when every one is in callbacks).
   void armWatcherLocked();
   bool watchingLocked() const { return settlingTaken_ > 0 && !queue_.empty(); }
   bool stalledLocked() const {
@@ -279,6 +280,10 @@ class RingBackend : public c10d::Backend {
   bool watcherIdle_ = false;
   size_t settlingTaken_ = 0;
   uint64_t settled_ = 0;
+  // The watcher found the queue stalled: one worker may start its front op
+  // although mayRunLocked() says no (while it is still stalled); the next
+  // popFrontLocked() clears it.
+  bool rescue_ = false;
   std::condition_variable watchCv_;
   // What a RingWork's wait() and the workers reach the backend through. A
   // Work may outlive the backend; and a Future callback run by a worker or a
