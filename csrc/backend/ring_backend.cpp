@@ -334,6 +334,16 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
       return work;
     }
     if (asyncOp || !queue_.empty() || running_ || !(e.nested || mayRunLocked())) {
+      work->setLateTaken([gate = gate_](RingWork* w) {
+        c10::intrusive_ptr<RingBackend> self;
+        {
+          std::lock_guard<std::mutex> lock(gate->mu);
+          self = gate->self.lock();
+        }
+        if (!self) return;
+        std::lock_guard<std::mutex> lock(self->mu_);
+        self->countTakenLocked(*w);
+      });
       work->setHelper([gate = gate_](RingWork* w) {
         if (tRunningOps) return;
         c10::intrusive_ptr<RingBackend> self;
@@ -434,20 +444,22 @@ void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
   // Its Future may have callbacks that block in torch's Future::wait() for an
   // op queued behind it: the watcher looks after the queue meanwhile. One
   // lock per op, only when the Future was taken (DDP's buckets).
-  const bool taken = e.work->futureTaken();
-  if (taken) {
+  // A getFuture() after this look counts the Work itself (countTakenLocked
+  // through the Work's late-taken hook).
+  if (e.work->lookedForFuture()) {
     std::lock_guard<std::mutex> lock(mu_);
-    ++settlingTaken_;
-    if (!queue_.empty()) armWatcherLocked();
+    countTakenLocked(*e.work);
   }
-  auto done = c10::make_scope_exit([this, onWorker, outerOnWorker, taken] {
+  RingWork& work = *e.work;
+  auto done = c10::make_scope_exit([this, onWorker, outerOnWorker, &work] {
     --tSettlingDepth;
     tWorkerInCallbacks = outerOnWorker;
     bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (onWorker) --workersInCallbacks_;
-      if (taken) --settlingTaken_;
+      if (work.counted) --settlingTaken_;
+      work.lookClosed();  // under mu_: a late getFuture() no longer counts it
       ++settled_;
       wake = --settling_ == 0 && !queue_.empty();
     }
@@ -469,6 +481,13 @@ void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
   if (const int64_t ms = testCompleteDelayMs().load(std::memory_order_relaxed)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   }
+}
+
+void RingBackend::countTakenLocked(RingWork& work) {
+  if (work.counted || !work.lookOpen()) return;
+  work.counted = true;
+  ++settlingTaken_;
+  if (!queue_.empty()) armWatcherLocked();
 }
 
 RingBackend::Entry RingBackend::popFrontLocked() {

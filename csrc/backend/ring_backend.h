@@ -201,6 +201,9 @@ class RingBackend : public c10d::Backend {
   void runAndSettle(Entry& e, bool onWorker);
   // Takes the queue's front entry to run it (with mu_): sets running_.
   Entry popFrontLocked();
+  // Counts a Work being settled whose Future was taken in settlingTaken_
+  // (once; not after it settled) and arms the watcher (with mu_).
+  void countTakenLocked(RingWork& work);
   // Runs queued ops on the calling thread, in queue order, up to and
   // including `work`'s, while no other thread runs one; returns at once when
   // `work` is not queued, another thread is running an op, or the group is

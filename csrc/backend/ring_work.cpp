@@ -126,7 +126,10 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> RingWork::getFuture() {
-  futureTaken_.store(true, std::memory_order_relaxed);
+  futureTaken_.store(true);
+  // Taken while settle() completes the Future: its callbacks may still be
+  // attached and run there (see setLateTaken).
+  if (looked_.load() == 1 && lateTaken_) lateTaken_(this);
   return future_;
 }
 

@@ -44,6 +44,22 @@ class RingWork : public c10d::Work {
   // getFuture() was called: callbacks may run when this Work settles.
   bool futureTaken() const { return futureTaken_.load(std::memory_order_relaxed); }
 
+  // The backend's count of Works being settled whose Future was taken
+  // (RingBackend::settle): settle() calls lookedForFuture() and then reads
+  // futureTaken(); a getFuture() after that look and before the Work is
+  // settled calls the hook (set once, before the Work is returned), which
+  // counts it late. Both orders are sequentially consistent (Dekker): the
+  // look or the hook sees the Future taken, and counted (guarded by the
+  // backend's lock) says whether one of them already counted it.
+  void setLateTaken(std::function<void(RingWork*)> hook) { lateTaken_ = std::move(hook); }
+  bool lookedForFuture() {
+    looked_.store(1);
+    return futureTaken_.load();
+  }
+  bool lookOpen() const { return looked_.load() == 1; }
+  void lookClosed() { looked_.store(2); }
+  bool counted = false;  // guarded by the backend's mu_
+
   // What wait() (without a timeout) calls before it blocks: runs this op, and
   // those queued before it, on the waiting thread when the worker is idle
   // (RingBackend::runQueuedUntil), saving the two thread hand-offs of an
@@ -69,6 +85,8 @@ class RingWork : public c10d::Work {
   // getFuture() was called: the Future may have callbacks, and one may block
   // in torch's Future::wait(), which does not pass through wait() here.
   std::atomic<bool> futureTaken_{false};
+  std::function<void(RingWork*)> lateTaken_;
+  std::atomic<int> looked_{0};  // 0: settle() has not looked; 1: looked; 2: settled
   // Locking: doneMu_ guards done_, sourceRank_ and error_ (doneCv_ waits on
   // it). It is never held while the Future completes: its callbacks run
   // outside it (they may call back into this Work).
