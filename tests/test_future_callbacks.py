@@ -5,6 +5,7 @@ all_reduce and wait on its Future. The callbacks of an async op run on the
 thread that completed it (our worker), so that thread must not be the only one
 able to run the next op. Checked against gloo (ctx.oracle) and closed forms.
 """
+import os
 import time
 
 import pytest
@@ -294,6 +295,50 @@ def test_a_chain_of_callbacks_each_waiting_for_the_next_op(worlds, size):
             assert outer is True and inner is True, rank
             for k, t in enumerate(ts):
                 torch.testing.assert_close(t, torch.full((4,), 10 ** k * total))
+
+
+def _worker_threads():
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == "rr-worker"
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return count
+
+
+SLOW_CALLBACK_OPS = 24
+
+
+def _slow_callbacks(ctx):
+    """Remote: async all_reduces on a new group, each with a callback that
+    sleeps 150 ms (slow, never blocked); rank 1 issues them late, so rank 0's
+    callbacks are all attached before their ops complete."""
+    group = dist.new_group(backend="ringreduce")
+    before = _worker_threads()
+    if ctx.rank == 1:
+        time.sleep(0.3)
+    ts = [torch.full((4,), float(k + ctx.rank)) for k in range(SLOW_CALLBACK_OPS)]
+    futs = [dist.all_reduce(t, group=group, async_op=True).get_future()
+            .then(lambda f: time.sleep(0.15) or f.value()[0].clone()) for t in ts]
+    values = [f.wait() for f in futs]
+    grown = _worker_threads() - before
+    dist.destroy_process_group(group)
+    return [grown, values]
+
+
+def test_slow_callbacks_start_a_bounded_number_of_workers(worlds):
+    """Every callback over 10 ms looks like a blocked one to the watcher, and
+    each rescue lets one more run at once on a new worker: the workers it
+    starts are capped (8 in all), as are their idle threads afterwards."""
+    results = worlds.run(2, _slow_callbacks, timeout=60)
+    for rank, (grown, values) in enumerate(results):
+        for k, v in enumerate(values):
+            torch.testing.assert_close(v, torch.full((4,), 2.0 * k + 1))
+        # 8 in all; the group's first may not have named itself at `before`.
+        assert grown <= 8, f"rank {rank}: {grown} more rr-worker threads"
+    print("workers started for slow callbacks:", [res[0] for res in results])
 
 
 @pytest.mark.parametrize("how", ["work", "future"])

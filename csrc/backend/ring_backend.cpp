@@ -35,6 +35,9 @@ thread_local int tSettlingDepth = 0;
 // usually takes, so the watcher wakes rarely and takes no op from the worker;
 // short enough that a callback blocked in a Future's wait() loses little time.
 constexpr auto kWatchRescueAfter = std::chrono::milliseconds(10);
+// Workers beyond which the watcher runs a stalled op itself instead of
+// starting another worker for it (a chain deeper than this blocks again).
+constexpr size_t kMaxRescueWorkers = 8;
 
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
@@ -136,20 +139,29 @@ void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) 
     // as with gloo's two threads. A worker runs it (a new one when every
     // worker is in callbacks), not the watcher: that op's callbacks may wait
     // in turn for the next op (a chain), which the watcher then rescues too.
-    rescue_ = true;
-    try {
-      if (workersInCallbacks_ >= workers_.size()) spawnWorkerLocked();
-    } catch (const std::system_error&) {
-      // No thread to be had: run it here, as the only way left.
-      Entry e = popFrontLocked();
-      lock.unlock();
+    // Callbacks that are only slow get rescued too, so the workers started
+    // here are capped; past that (or with no thread to be had) the watcher
+    // runs the op itself, as the only way left.
+    bool freeWorker = workersInCallbacks_ < workers_.size();
+    if (!freeWorker && workers_.size() < kMaxRescueWorkers) {
+      try {
+        spawnWorkerLocked();
+        freeWorker = true;
+      } catch (const std::system_error&) {
+      }
+    }
+    if (!freeWorker) {
       {
+        Entry e = popFrontLocked();
+        lock.unlock();
         c10::intrusive_ptr<RingBackend> self = weak.lock();
         runAndSettle(e, true);
-      }
+      }  // the entry goes before mu_ is taken again (its tensors may need the GIL)
       lock.lock();
       continue;
     }
+    rescue_ = true;
+    rescueMark_ = settled_;
     cv_.notify_all();
   }
   watcherIdle_ = false;
@@ -540,7 +552,7 @@ void RingBackend::workerLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] {
         return stopping_ ||
-               (!queue_.empty() && !running_ && (mayRunLocked() || (rescue_ && stalledLocked())));
+               (!queue_.empty() && !running_ && (mayRunLocked() || rescuingLocked()));
       });
       if (queue_.empty()) return;
       e = popFrontLocked();

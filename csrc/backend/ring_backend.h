@@ -238,6 +238,7 @@ class RingBackend : public c10d::Backend {
     return watchingLocked() && !running_ && !mayRunLocked() && unmarked_.load() == 0;
   }
   void watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak);
+  bool rescuingLocked() const { return rescue_ && settled_ == rescueMark_ && stalledLocked(); }
 
   std::unique_ptr<Transport> transport_;  // per peer: shared memory or TCP (factory.h)
   std::chrono::milliseconds timeout_;
@@ -284,9 +285,11 @@ class RingBackend : public c10d::Backend {
   size_t settlingTaken_ = 0;
   uint64_t settled_ = 0;
   // The watcher found the queue stalled: one worker may start its front op
-  // although mayRunLocked() says no (while it is still stalled); the next
-  // popFrontLocked() clears it.
+  // although mayRunLocked() says no, while it is still stalled and no Work
+  // settled since (settled_ still rescueMark_); the next popFrontLocked()
+  // clears it.
   bool rescue_ = false;
+  uint64_t rescueMark_ = 0;
   std::condition_variable watchCv_;
   // What a RingWork's wait() and the workers reach the backend through. A
   // Work may outlive the backend; and a Future callback run by a worker or a

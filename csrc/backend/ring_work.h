@@ -41,14 +41,11 @@ class RingWork : public c10d::Work {
   uint64_t getSequencenumber() const override;
 
   DeviceStage& stage() { return stage_; }
-  // getFuture() was called: callbacks may run when this Work settles.
-  bool futureTaken() const { return futureTaken_.load(std::memory_order_relaxed); }
-
   // The backend's count of Works being settled whose Future was taken
-  // (RingBackend::settle): settle() calls lookedForFuture() and then reads
-  // futureTaken(); a getFuture() after that look and before the Work is
-  // settled calls the hook (set once, before the Work is returned), which
-  // counts it late. Both orders are sequentially consistent (Dekker): the
+  // (RingBackend::settle): settle() calls lookedForFuture(), which marks the
+  // look and then reads whether the Future was taken; a getFuture() after
+  // that look and before the Work is settled calls the hook (set once,
+  // before the Work is returned), which counts it late. Both orders are sequentially consistent (Dekker): the
   // look or the hook sees the Future taken, and counted (guarded by the
   // backend's lock) says whether one of them already counted it.
   void setLateTaken(std::function<void(RingWork*)> hook) { lateTaken_ = std::move(hook); }
