@@ -347,25 +347,16 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
     }
     if (asyncOp || !queue_.empty() || running_ || !(e.nested || mayRunLocked())) {
       work->setLateTaken([gate = gate_](RingWork* w) {
-        c10::intrusive_ptr<RingBackend> self;
-        {
-          std::lock_guard<std::mutex> lock(gate->mu);
-          self = gate->self.lock();
-        }
+        c10::intrusive_ptr<RingBackend> self = gate->strong();
         if (!self) return;
-        std::lock_guard<std::mutex> lock(self->mu_);
+        std::lock_guard<std::mutex> lock(self->mu_);  // released before `self`
         self->countTakenLocked(*w);
       });
       work->setHelper([gate = gate_](RingWork* w) {
         if (tRunningOps) return;
-        c10::intrusive_ptr<RingBackend> self;
-        {
-          std::lock_guard<std::mutex> lock(gate->mu);
-          self = gate->self.lock();
-        }
         // Dropping `self` may shut the backend down here (a callback dropped
         // its last other reference); nothing after touches it.
-        if (self) self->runQueuedUntil(w);
+        if (c10::intrusive_ptr<RingBackend> self = gate->strong()) self->runQueuedUntil(w);
       });
       if (e.nested) ++nestedQueued_;
       queue_.push_back(std::move(e));

@@ -308,6 +308,12 @@ class RingBackend : public c10d::Backend {
 struct RingBackend::HelpGate {
   std::mutex mu;  // guards self
   c10::weak_intrusive_ptr<RingBackend> self{c10::intrusive_ptr<RingBackend>()};
+  // A strong reference to the backend, or null once it is gone. Dropping it
+  // may shut the backend down on the dropping thread.
+  c10::intrusive_ptr<RingBackend> strong() {
+    std::lock_guard<std::mutex> lock(mu);
+    return self.lock();
+  }
 };
 
 }  // namespace ringreduce

@@ -45,9 +45,10 @@ class RingWork : public c10d::Work {
   // (RingBackend::settle): settle() calls lookedForFuture(), which marks the
   // look and then reads whether the Future was taken; a getFuture() after
   // that look and before the Work is settled calls the hook (set once,
-  // before the Work is returned), which counts it late. Both orders are sequentially consistent (Dekker): the
-  // look or the hook sees the Future taken, and counted (guarded by the
-  // backend's lock) says whether one of them already counted it.
+  // before the Work is returned), which counts it late. Both orders are
+  // sequentially consistent (Dekker): the look or the hook sees the Future
+  // taken, and counted (guarded by the backend's lock) says whether one of
+  // them already counted it.
   void setLateTaken(std::function<void(RingWork*)> hook) { lateTaken_ = std::move(hook); }
   bool lookedForFuture() {
     looked_.store(1);

@@ -1,6 +1,7 @@
 #include "transport/store_calls.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 
 #include <condition_variable>
 #include <exception>
@@ -183,17 +184,23 @@ std::string StoreCalls::get(const std::string& key, Clock::time_point deadline,
   return std::string(result->begin(), result->end());
 }
 
+namespace {
+
+// The key's value, or nullopt when it is absent (no wait for it).
+std::optional<std::string> readIfPresent(c10d::Store& s, const std::string& key) {
+  if (!s.check({key})) return std::nullopt;
+  auto v = s.get(key);
+  return std::string(v.begin(), v.end());
+}
+
+}  // namespace
+
 std::optional<std::string> StoreCalls::tryGet(const std::string& key, Clock::time_point deadline,
                                               bool* answered) {
   auto result = std::make_shared<std::optional<std::string>>();
   bool ok = false;
   try {
-    ok = run(deadline, [key, result](c10d::Store& s) {
-      if (s.check({key})) {
-        auto v = s.get(key);
-        *result = std::string(v.begin(), v.end());
-      }
-    });
+    ok = run(deadline, [key, result](c10d::Store& s) { *result = readIfPresent(s, key); });
   } catch (...) {
     ok = false;
   }
@@ -207,16 +214,8 @@ std::optional<std::string> StoreCalls::peek(const std::string& key, Clock::time_
   bool ok = false;
   try {
     ok = run(deadline, [key, result, busy = peeking_](c10d::Store& s) {
-      try {
-        if (s.check({key})) {
-          auto v = s.get(key);
-          *result = std::string(v.begin(), v.end());
-        }
-      } catch (...) {
-        busy->store(false);
-        throw;
-      }
-      busy->store(false);
+      auto done = c10::make_scope_exit([&busy] { busy->store(false); });
+      *result = readIfPresent(s, key);
     });
   } catch (...) {
     // Also when no helper started (it would have cleared the flag).
