@@ -206,6 +206,95 @@ def test_point_to_point_callbacks_can_wait_on_futures(worlds):
         assert torch.equal(got[tag], torch.full((16,), float(tag))), tag
 
 
+def _p2p_callbacks_blocked_at_once(ctx, blocked):
+    """Remote: on a new group, rank 0's first `blocked` receives each have a
+    callback that waits in torch's Future.wait() for one more receive, which
+    rank 1 sends only after the others (so every callback blocks at once)."""
+    group = dist.new_group(backend="ringreduce")
+    dist.barrier(group=group)
+    out = None
+    if ctx.rank == 0:
+        got = [torch.zeros(8) for _ in range(blocked + 1)]
+        works = [dist.irecv(t, src=1, tag=k, group=group) for k, t in enumerate(got)]
+        last = works[-1].get_future()
+        chained = [w.get_future().then(lambda f: f.value()[0] + last.wait()[0])
+                   for w in works[:-1]]
+        out = [[c.wait() for c in chained], got]
+    else:
+        time.sleep(0.3)
+        for k in range(blocked):
+            dist.send(torch.full((8,), float(k)), dst=0, tag=k, group=group)
+        time.sleep(0.3)
+        dist.send(torch.full((8,), 100.0), dst=0, tag=blocked, group=group)
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+    return out
+
+
+@pytest.mark.parametrize("blocked", [2, 5])
+def test_p2p_callbacks_blocked_at_once_in_future_waits(worlds, blocked):
+    """A callback that may block (its Future was taken) got one spare engine
+    thread at most: with two callbacks blocked in torch's Future.wait() no
+    thread read the last message, and rank 0 hung for good (no deadline is
+    checked then). The engine's watcher starts a thread when every one has
+    sat in a callback for 10 ms with receives pending."""
+    sums, got = worlds.run(2, _p2p_callbacks_blocked_at_once, blocked, timeout=30)[0]
+    for k in range(blocked):
+        assert torch.equal(got[k], torch.full((8,), float(k))), k
+        assert torch.equal(sums[k], torch.full((8,), 100.0 + k)), k
+    assert torch.equal(got[blocked], torch.full((8,), 100.0))
+
+
+SLOW_CALLBACK_OPS = 24
+
+
+def _threads_named(name):
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == name
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return count
+
+
+def _slow_p2p_callbacks(ctx):
+    """Remote: on a new group, rank 0's receives each have a callback that
+    sleeps 150 ms (slow, never blocked); rank 1 sends them all at once."""
+    group = dist.new_group(backend="ringreduce")
+    dist.barrier(group=group)
+    out = None
+    if ctx.rank == 0:
+        before = _threads_named("rr-p2p")
+        got = [torch.zeros(4) for _ in range(SLOW_CALLBACK_OPS)]
+        futs = [dist.irecv(t, src=1, tag=k, group=group).get_future()
+                .then(lambda f: time.sleep(0.15) or f.value()[0].clone())
+                for k, t in enumerate(got)]
+        values = [f.wait() for f in futs]
+        out = [_threads_named("rr-p2p") - before, values]
+    else:
+        time.sleep(0.3)
+        works = [dist.isend(torch.full((4,), float(k)), dst=0, tag=k, group=group)
+                 for k in range(SLOW_CALLBACK_OPS)]
+        for w in works:
+            w.wait()
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+    return out
+
+
+def test_slow_p2p_callbacks_start_a_bounded_number_of_threads(worlds):
+    """Slow callbacks look blocked to the p2p engine's watcher, and each of
+    its rescues lets one more run at once on a new thread: those it starts
+    are capped at 8 (one more is the spare for taken Futures)."""
+    grown, values = worlds.run(2, _slow_p2p_callbacks, timeout=60)[0]
+    for k, v in enumerate(values):
+        assert torch.equal(v, torch.full((4,), float(k))), k
+    assert grown <= 9, f"{grown} more rr-p2p threads"
+    print("p2p threads started for slow callbacks:", grown)
+
+
 def _destroy_while_a_callback_waits_for_a_later_receive(ctx, how):
     """Remote: on a fresh group, rank 0's tag-1 receive has a callback that
     waits for its tag-3 receive (through the Work or its Future); rank 1
@@ -298,17 +387,8 @@ def test_a_chain_of_callbacks_each_waiting_for_the_next_op(worlds, size):
 
 
 def _worker_threads():
-    count = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                count += f.read().strip() == "rr-worker"
-        except FileNotFoundError:  # the thread ended meanwhile
-            pass
-    return count
+    return _threads_named("rr-worker")
 
-
-SLOW_CALLBACK_OPS = 24
 
 
 def _slow_callbacks(ctx):

@@ -116,7 +116,15 @@ void P2PEngine::stop() {
     }
   }
   turnCv_.notify_all();
+  watchCv_.notify_all();
   wake();
+  std::thread watcher;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    watcher.swap(watcher_);
+  }
+  // It only ever waits for mu_: joined from any thread, a callback's too.
+  if (watcher.joinable()) watcher.join();
   for (auto& [cb, args] : orphans) cb(args.first, args.second);
   // Joined until none is left: one blocked in a callback may start another.
   while (true) {
@@ -151,6 +159,7 @@ void P2PEngine::postSend(const OpInfo& op, int peer, uint64_t tag, const void* d
       WireHeader h{kWireMagic, static_cast<uint8_t>(OpKind::kSend), op.dtype, kNoReduceOp, 0,
                    kNoRoot, 0, sendSeq_[peer]++, kUnchecked, tag, bytes};
       sends_[peer].push_back({op, h, static_cast<const char*>(data), 0, std::move(done)});
+      if (inCallbacks_ >= live_) armWatcherLocked();
     }
   }
   if (!failed.empty()) {
@@ -168,6 +177,7 @@ void P2PEngine::postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, s
     failed = failed_;
     if (failed.empty()) {
       recvs_.push_back({op, peer, tag, static_cast<char*>(data), bytes, std::move(done), false});
+      if (inCallbacks_ >= live_) armWatcherLocked();  // posted from a callback, every thread in one
     }
   }
   if (!failed.empty()) {
@@ -431,7 +441,7 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping = stopping_;  // a callback may have stopped the engine: the owner may be gone
-      ++inCallbacks_;        // onFatal_ fails the transport's ops: callbacks run here
+      enterCallbacksLocked();  // onFatal_ fails the transport's ops: callbacks run here
     }
     if (onFatal_ && !stopping) onFatal_(fatalReason);
     fatalReason.clear();
@@ -447,11 +457,71 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
       if (ready_.empty()) break;
       c = std::move(ready_.front());
       ready_.pop_front();
-      ++inCallbacks_;
+      enterCallbacksLocked();
     }
     c.first(c.second.first, c.second.second);
     std::lock_guard<std::mutex> lock(mu_);
     --inCallbacks_;
+  }
+}
+
+void P2PEngine::enterCallbacksLocked() {
+  ++inCallbacks_;
+  ++callbacksStarted_;
+  if (inCallbacks_ >= live_ && pendingLocked()) armWatcherLocked();
+}
+
+bool P2PEngine::pendingLocked() const {
+  if (!ready_.empty() || !recvs_.empty()) return true;
+  return std::any_of(sends_.begin(), sends_.end(), [](const auto& q) { return !q.empty(); });
+}
+
+void P2PEngine::armWatcherLocked() {
+  if (stopping_ || watchArmed_ || watcherFailed_) return;
+  watchArmed_ = true;
+  if (watcher_.joinable()) {
+    watchCv_.notify_one();
+    return;
+  }
+  try {
+    watcher_ = std::thread([self = shared_from_this()] { self->watch(); });
+  } catch (const std::exception& err) {
+    watcherFailed_ = true;
+    watchArmed_ = false;
+    LOG(WARNING) << rankPrefix(rank_, size_) << " could not start the p2p watcher ("
+                 << err.what() << "); a callback blocked in Future.wait() may stall p2p ops";
+  }
+}
+
+void P2PEngine::watch() {
+  nameThisThread("rr-p2p-watch");
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    watchCv_.wait(lock, [this] { return watchArmed_ || stopping_; });
+    const uint64_t started = callbacksStarted_;
+    // Not woken early by progress: one look per kRescueAfter at most.
+    watchCv_.wait_for(lock, kRescueAfter, [this] { return stopping_; });
+    if (stopping_) return;
+    if (inCallbacks_ < live_ || !pendingLocked()) {
+      watchArmed_ = false;  // a thread is free, or nothing waits: armed again when not
+      continue;
+    }
+    if (callbacksStarted_ != started) continue;  // the callbacks move: look again
+    // Every thread has sat in one callback for kRescueAfter with ops pending:
+    // blocked (in a wait without a hook, or a late-taken Future's callback)
+    // or slow. Another thread runs what is ready and polls meanwhile.
+    if (rescues_ >= kMaxRescues) {
+      watchArmed_ = false;
+      if (rescues_++ == kMaxRescues) {
+        LOG(WARNING) << rankPrefix(rank_, size_) << " every p2p thread has been in a callback "
+                     << "for " << kRescueAfter.count() << " ms with ops pending after "
+                     << kMaxRescues << " more threads were started for such callbacks; "
+                     << "the ops wait for a callback to return";
+      }
+      continue;
+    }
+    ++rescues_;
+    ensureRunnerLocked("callbacks that do not return");
   }
 }
 

@@ -5,12 +5,17 @@
 // The completions (and so the Works' Future callbacks) run on an engine
 // thread. A Work.wait() in such a callback, with every engine thread in
 // callbacks, starts one more thread (common/wait_hook.h), which polls while
-// the first is blocked: a callback may wait for another p2p op. Each thread
+// the first is blocked: a callback may wait for another p2p op. A wait that
+// has no hook (torch's Future::wait()) is caught by a watcher thread: when
+// every engine thread has been in callbacks for kRescueAfter with ops
+// pending and no callback started meanwhile, it starts one more (at most
+// kMaxRescues in all; slow callbacks look the same). Each thread
 // owns the engine (a shared_ptr): a callback may destroy the process group,
 // stopping the engine from its own thread, and drop the engine's last other
 // owner.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -56,6 +61,11 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   // return. The pending ops fail on the threads (stop() and abort() queue
   // their failures in ready_), so a callback may wait for another's Work.
   void stop();
+
+  // The watcher starts a thread after every thread sat this long in one
+  // callback with ops pending, up to kMaxRescues threads in all.
+  static constexpr std::chrono::milliseconds kRescueAfter{10};
+  static constexpr int kMaxRescues = 8;
 
  private:
   struct Send {
@@ -105,6 +115,15 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   // A wait on an engine thread is about to block (common/wait_hook.h): another
   // thread takes over, started if every one is running completions.
   void beforeBlocking(bool certain);
+  // A thread starts running completions (or onFatal_); mu_ held. Arms the
+  // watcher when that leaves no thread free while ops are pending.
+  void enterCallbacksLocked();
+  // Ops are posted, queued or in flight; mu_ held.
+  bool pendingLocked() const;
+  // Wakes the watcher (started the first time) to look in kRescueAfter; mu_ held.
+  void armWatcherLocked();
+  // The watcher's loop (see the class comment).
+  void watch();
   // Wakes a thread for what is ready, or starts one if every thread is in
   // callbacks; false if none could start. mu_ held.
   bool ensureRunnerLocked(const char* why);
@@ -151,6 +170,13 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   bool polling_ = false;              // a thread polls (or reads and writes)
   size_t waiting_ = 0;                // threads waiting for their turn to poll
   std::condition_variable turnCv_;
+  // The watcher: started at its first arming, joined by stop().
+  std::thread watcher_;
+  std::condition_variable watchCv_;
+  bool watchArmed_ = false;
+  bool watcherFailed_ = false;        // it could not start: not tried again
+  uint64_t callbacksStarted_ = 0;     // completions (and onFatal_) begun, ever
+  int rescues_ = 0;                   // threads the watcher started
 };
 
 }  // namespace tcp
