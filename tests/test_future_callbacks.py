@@ -248,6 +248,58 @@ def test_p2p_callbacks_blocked_at_once_in_future_waits(worlds, blocked):
 SLOW_CALLBACK_OPS = 24
 
 
+def _callback_runs_a_receive_matched_before_polling(ctx, how, attempts):
+    """Remote: rank 1's first receive has a taken Future (so the engine has a
+    spare thread, which then waits for its turn to poll); a message read aside
+    (tag 2, while a tag-3 receive waits) completes the next receive before any
+    poll, and that receive's callback waits for the tag-3 one, sent 0.3 s
+    later. Returns, per attempt, how long rank 1's callback took (None: still
+    running after 10 s)."""
+    took = []
+    for _ in range(attempts):
+        group = dist.new_group(backend="ringreduce")
+        dist.barrier(group=group)
+        if ctx.rank == 0:
+            dist.isend(torch.full((4,), 1.0), dst=1, tag=1, group=group).wait()
+            dist.isend(torch.full((4,), 2.0), dst=1, tag=2, group=group).wait()
+            time.sleep(0.3)
+            dist.isend(torch.full((4,), 3.0), dst=1, tag=3, group=group).wait()
+        else:
+            x, y, z = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+            dist.irecv(x, src=0, tag=1, group=group).get_future().then(lambda f: None).wait()
+            later = dist.irecv(z, src=0, tag=3, group=group)
+            time.sleep(0.1)  # tag 2 is read aside meanwhile
+            wait = later.wait if how == "work" else later.get_future().wait
+            started = time.monotonic()
+            chained = dist.irecv(y, src=0, tag=2, group=group).get_future().then(
+                lambda f: wait() and z.clone())
+            while not chained.done() and time.monotonic() - started < 10:
+                time.sleep(0.005)
+            if not chained.done():
+                took.append(None)
+                break  # the group's engine is stuck: leave it to the world's end
+            took.append([time.monotonic() - started, x, y, chained.value()])
+        dist.barrier(group=group)
+        dist.destroy_process_group(group)
+    return took
+
+
+@pytest.mark.parametrize("how", ["work", "future"])
+def test_a_callback_of_a_receive_matched_before_polling_can_wait(worlds, how):
+    """The engine's thread that matched a receive to a message read aside ran
+    its completion without having taken the poller's turn, and did not wake
+    the spare thread waiting for that turn: a callback waiting for a later
+    receive then waited for good (found by fuzzing; most attempts hung)."""
+    took = worlds.run(2, _callback_runs_a_receive_matched_before_polling, how, 3,
+                      timeout=60)[1]
+    assert None not in took, took
+    for seconds, x, y, got in took:
+        assert seconds < 5, seconds
+        assert torch.equal(x, torch.full((4,), 1.0))
+        assert torch.equal(y, torch.full((4,), 2.0))
+        assert torch.equal(got, torch.full((4,), 3.0))
+
+
 def _threads_named(name):
     count = 0
     for task in os.listdir("/proc/self/task"):

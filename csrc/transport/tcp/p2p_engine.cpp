@@ -468,6 +468,12 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
 void P2PEngine::enterCallbacksLocked() {
   ++inCallbacks_;
   ++callbacksStarted_;
+  // A thread that found completions before it polled (a receive matched to a
+  // message read aside) runs them without having taken the turn: a thread
+  // waiting for it polls meanwhile. Without this wake-up it slept on, and a
+  // callback waiting for another receive waited for good (nobody polled, and
+  // the deadlines are checked by the poller).
+  if (!polling_ && waiting_ > 0) turnCv_.notify_one();
   if (inCallbacks_ >= live_ && pendingLocked()) armWatcherLocked();
 }
 
