@@ -447,6 +447,7 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
     fatalReason.clear();
     std::lock_guard<std::mutex> lock(mu_);
     --inCallbacks_;
+    ++callbacksEnded_;
     for (auto& c : held) ready_.push_back(std::move(c));
     held.clear();
   }
@@ -462,12 +463,12 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
     c.first(c.second.first, c.second.second);
     std::lock_guard<std::mutex> lock(mu_);
     --inCallbacks_;
+    ++callbacksEnded_;
   }
 }
 
 void P2PEngine::enterCallbacksLocked() {
   ++inCallbacks_;
-  ++callbacksStarted_;
   // A thread that found completions before it polled (a receive matched to a
   // message read aside) runs them without having taken the turn: a thread
   // waiting for it polls meanwhile. Without this wake-up it slept on, and a
@@ -504,29 +505,31 @@ void P2PEngine::watch() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     watchCv_.wait(lock, [this] { return watchArmed_ || stopping_; });
-    const uint64_t started = callbacksStarted_;
-    // Not woken early by progress: one look per kRescueAfter at most.
-    watchCv_.wait_for(lock, kRescueAfter, [this] { return stopping_; });
+    const uint64_t ended = callbacksEnded_;
+    // Not woken early by progress: one look per kRescueAfter at most. Past
+    // kFastRescues each rescue waits twice as long as the one before (up to
+    // kMaxRescueWait): callbacks that are only slow end one within such a
+    // wait, and stop adding threads; blocked ones never do, and get one each.
+    const int slow = std::max(0, rescues_ - kFastRescues + 1);
+    const auto wait = std::min<std::chrono::milliseconds>(
+        kMaxRescueWait, kRescueAfter * (int64_t{1} << std::min(slow, 16)));
+    watchCv_.wait_for(lock, wait, [this] { return stopping_; });
     if (stopping_) return;
     if (inCallbacks_ < live_ || !pendingLocked()) {
       watchArmed_ = false;  // a thread is free, or nothing waits: armed again when not
       continue;
     }
-    if (callbacksStarted_ != started) continue;  // the callbacks move: look again
-    // Every thread has sat in one callback for kRescueAfter with ops pending:
+    // A callback returned meanwhile: they move (the callback a rescued thread
+    // starts does not count, so the next blocked level is rescued 10 ms on).
+    if (callbacksEnded_ != ended) continue;
+    // Every thread has sat in one callback for that long with ops pending:
     // blocked (in a wait without a hook, or a late-taken Future's callback)
     // or slow. Another thread runs what is ready and polls meanwhile.
-    if (rescues_ >= kMaxRescues) {
-      watchArmed_ = false;
-      if (rescues_++ == kMaxRescues) {
-        LOG(WARNING) << rankPrefix(rank_, size_) << " every p2p thread has been in a callback "
-                     << "for " << kRescueAfter.count() << " ms with ops pending after "
-                     << kMaxRescues << " more threads were started for such callbacks; "
-                     << "the ops wait for a callback to return";
-      }
-      continue;
+    if (++rescues_ == kFastRescues + 1) {
+      LOG(WARNING) << rankPrefix(rank_, size_) << " p2p callbacks have held every engine "
+                   << "thread " << kFastRescues + 1 << " times (blocked, e.g. in "
+                   << "Future.wait(), or slow); each further thread starts after a longer stall";
     }
-    ++rescues_;
     ensureRunnerLocked("callbacks that do not return");
   }
 }

@@ -8,8 +8,10 @@
 // the first is blocked: a callback may wait for another p2p op. A wait that
 // has no hook (torch's Future::wait()) is caught by a watcher thread: when
 // every engine thread has been in callbacks for kRescueAfter with ops
-// pending and no callback started meanwhile, it starts one more (at most
-// kMaxRescues in all; slow callbacks look the same). Each thread
+// pending and no callback returned meanwhile, it starts one more (slow
+// callbacks look the same: after kFastRescues, each rescue waits for a
+// stall twice as long as the one before, so slow callbacks, which return
+// now and then, stop adding threads). Each thread
 // owns the engine (a shared_ptr): a callback may destroy the process group,
 // stopping the engine from its own thread, and drop the engine's last other
 // owner.
@@ -63,9 +65,11 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   void stop();
 
   // The watcher starts a thread after every thread sat this long in one
-  // callback with ops pending, up to kMaxRescues threads in all.
+  // callback with ops pending, for the first kFastRescues; each later one
+  // after twice the stall of the one before, up to kMaxRescueWait.
   static constexpr std::chrono::milliseconds kRescueAfter{10};
-  static constexpr int kMaxRescues = 8;
+  static constexpr int kFastRescues = 8;
+  static constexpr std::chrono::milliseconds kMaxRescueWait{1000};
 
  private:
   struct Send {
@@ -175,8 +179,8 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   std::condition_variable watchCv_;
   bool watchArmed_ = false;
   bool watcherFailed_ = false;        // it could not start: not tried again
-  uint64_t callbacksStarted_ = 0;     // completions (and onFatal_) begun, ever
-  int rescues_ = 0;                   // threads the watcher started
+  uint64_t callbacksEnded_ = 0;       // completions (and onFatal_) returned, ever
+  int rescues_ = 0;                   // threads the watcher started (or tried to)
 };
 
 }  // namespace tcp
