@@ -448,7 +448,7 @@ def _worker_threads():
 
 def _slow_callbacks(ctx):
     """Remote: async all_reduces on a new group, each with a callback that
-    sleeps 150 ms (slow, never blocked); rank 1 issues them late, so rank 0's
+    sleeps 500 ms (slow, never blocked); rank 1 issues them late, so rank 0's
     callbacks are all attached before their ops complete."""
     group = dist.new_group(backend="ringreduce")
     before = _worker_threads()
@@ -456,7 +456,7 @@ def _slow_callbacks(ctx):
         time.sleep(0.3)
     ts = [torch.full((4,), float(k + ctx.rank)) for k in range(SLOW_CALLBACK_OPS)]
     futs = [dist.all_reduce(t, group=group, async_op=True).get_future()
-            .then(lambda f: time.sleep(0.15) or f.value()[0].clone()) for t in ts]
+            .then(lambda f: time.sleep(0.5) or f.value()[0].clone()) for t in ts]
     values = [f.wait() for f in futs]
     grown = _worker_threads() - before
     dist.destroy_process_group(group)
@@ -465,15 +465,50 @@ def _slow_callbacks(ctx):
 
 def test_slow_callbacks_start_a_bounded_number_of_workers(worlds):
     """Every callback over 10 ms looks like a blocked one to the watcher, and
-    each rescue lets one more run at once on a new worker: the workers it
-    starts are capped (8 in all), as are their idle threads afterwards."""
+    each rescue lets one more run at once on a new worker (14 for 24 ops of
+    150 ms at first). Past 8 workers each rescue waits for a stall twice as
+    long as the one before, which callbacks that only run slowly do not
+    leave (24 callbacks of 500 ms): 11 workers, against 24 without that."""
     results = worlds.run(2, _slow_callbacks, timeout=60)
     for rank, (grown, values) in enumerate(results):
         for k, v in enumerate(values):
             torch.testing.assert_close(v, torch.full((4,), 2.0 * k + 1))
-        # 8 in all; the group's first may not have named itself at `before`.
-        assert grown <= 8, f"rank {rank}: {grown} more rr-worker threads"
+        # The group's first may not have named itself at `before`.
+        assert grown <= 16, f"rank {rank}: {grown} more rr-worker threads"
     print("workers started for slow callbacks:", [res[0] for res in results])
+
+
+def _callbacks_blocked_at_once_on_a_later_op(ctx, blocked):
+    """Remote: on a new group, `blocked` async all_reduces whose callbacks
+    each wait in torch's Future.wait() for one more all_reduce issued after
+    them; rank 1 issues them late, so rank 0's callbacks are attached first."""
+    group = dist.new_group(backend="ringreduce")
+    if ctx.rank == 1:
+        time.sleep(0.3)
+    ts = [torch.full((4,), float(k + ctx.rank)) for k in range(blocked + 1)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in ts]
+    last = works[-1].get_future()
+    chained = [w.get_future().then(lambda f: f.value()[0] + last.wait()[0])
+               for w in works[:-1]]
+    sums = [c.wait() for c in chained]
+    dist.destroy_process_group(group)
+    return [sums, ts]
+
+
+def test_collective_callbacks_blocked_at_once_on_a_later_op(worlds):
+    """Each blocked callback holds a worker, and the op after it needs
+    another. The watcher started at most 8 workers and then ran the op
+    itself: its callback blocked the watcher too, and the last op never ran
+    (10 blocked callbacks hung for good). It now starts one more worker per
+    blocked level, waiting longer for each past 8."""
+    blocked = 11
+    for rank, (sums, ts) in enumerate(
+            worlds.run(2, _callbacks_blocked_at_once_on_a_later_op, blocked, timeout=60)):
+        last = 2.0 * blocked + 1
+        for k in range(blocked):
+            torch.testing.assert_close(ts[k], torch.full((4,), 2.0 * k + 1))
+            torch.testing.assert_close(sums[k], torch.full((4,), 2.0 * k + 1 + last))
+        torch.testing.assert_close(ts[blocked], torch.full((4,), last))
 
 
 @pytest.mark.parametrize("how", ["work", "future"])

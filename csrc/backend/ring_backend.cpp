@@ -35,9 +35,12 @@ thread_local int tSettlingDepth = 0;
 // usually takes, so the watcher wakes rarely and takes no op from the worker;
 // short enough that a callback blocked in a Future's wait() loses little time.
 constexpr auto kWatchRescueAfter = std::chrono::milliseconds(10);
-// Workers beyond which the watcher runs a stalled op itself instead of
-// starting another worker for it (a chain deeper than this blocks again).
-constexpr size_t kMaxRescueWorkers = 8;
+// Workers past which each one the watcher starts waits for a stall twice as
+// long as the one before, up to kMaxRescueWait: callbacks that are only slow
+// settle a Work within such a wait and stop adding workers; blocked ones
+// (waiting for an op queued behind them) never do, and get one each.
+constexpr size_t kFastRescueWorkers = 8;
+constexpr auto kMaxRescueWait = std::chrono::milliseconds(1000);
 
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
@@ -130,8 +133,15 @@ void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) 
     }
     // Sleeps the whole period (no wake-up when the Work settles: that would
     // cost a context switch per op under DDP, whose bucket Futures are taken).
+    // Longer when the rescue needs a worker beyond kFastRescueWorkers.
     const uint64_t mark = settled_;
-    watchCv_.wait_until(lock, std::chrono::steady_clock::now() + kWatchRescueAfter,
+    auto wait = std::chrono::milliseconds(kWatchRescueAfter);
+    if (workersInCallbacks_ >= workers_.size() && workers_.size() >= kFastRescueWorkers) {
+      const size_t beyond = workers_.size() - kFastRescueWorkers + 1;
+      wait = std::min<std::chrono::milliseconds>(
+          kMaxRescueWait, kWatchRescueAfter * (int64_t{1} << std::min<size_t>(beyond, 16)));
+    }
+    watchCv_.wait_until(lock, std::chrono::steady_clock::now() + wait,
                         [this] { return stopping_; });
     if (stopping_ || settled_ != mark || !stalledLocked()) continue;
     // Every finished op's Future is complete, so Futures still complete in
@@ -139,11 +149,15 @@ void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) 
     // as with gloo's two threads. A worker runs it (a new one when every
     // worker is in callbacks), not the watcher: that op's callbacks may wait
     // in turn for the next op (a chain), which the watcher then rescues too.
-    // Callbacks that are only slow get rescued too, so the workers started
-    // here are capped; past that (or with no thread to be had) the watcher
-    // runs the op itself, as the only way left.
+    // Callbacks that are only slow get rescued too, so past kFastRescueWorkers
+    // a new worker needs a longer stall (above). With no thread to be had the
+    // watcher runs the op itself, as the only way left.
     bool freeWorker = workersInCallbacks_ < workers_.size();
-    if (!freeWorker && workers_.size() < kMaxRescueWorkers) {
+    if (!freeWorker && workers_.size() >= kFastRescueWorkers &&
+        wait == kWatchRescueAfter) {
+      continue;  // the workers filled up while it slept: wait the longer stall
+    }
+    if (!freeWorker) {
       try {
         spawnWorkerLocked();
         freeWorker = true;
