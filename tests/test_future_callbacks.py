@@ -360,10 +360,14 @@ def _destroy_while_a_callback_waits_for_a_later_receive(ctx, how):
     out = None
     if ctx.rank == 0:
         first = dist.irecv(torch.zeros(4), src=1, tag=1, group=group)
+        second = dist.irecv(torch.zeros(4), src=1, tag=2, group=group)
         later = dist.irecv(torch.zeros(4), src=1, tag=3, group=group)
         wait = (lambda f: later.wait()) if how == "work" else \
             (lambda f: later.get_future().wait())
         chained = first.get_future().then(wait)
+        if how == "two-futures":  # two callbacks blocked at once in Future.wait()
+            one = chained
+            chained = second.get_future().then(wait).then(lambda f: one.wait())
         started = time.monotonic()
         if how == "abort":
             group._get_backend(torch.device("cpu")).abort()
@@ -381,15 +385,55 @@ def _destroy_while_a_callback_waits_for_a_later_receive(ctx, how):
     return out
 
 
-@pytest.mark.parametrize("how", ["work", "future", "abort"])
+@pytest.mark.parametrize("how", ["work", "future", "two-futures", "abort"])
 def test_destroy_while_a_p2p_callback_waits_for_a_later_receive(worlds, how):
     """destroy_process_group() failed the pending receives one after another
     on its own thread: the first one's callback, waiting for the second, never
-    returned, and neither did the destroy."""
+    returned, and neither did the destroy. With two callbacks blocked in
+    Future.wait() the destroy hung too: the p2p watcher left at the start of
+    stop(), before the failures' callbacks ran."""
     took, error = worlds.run(2, _destroy_while_a_callback_waits_for_a_later_receive, how,
                              timeout=30)[0]
     assert took < 10, took
     assert "shut down" in error or "abort" in error, error
+
+
+def _destroy_while_a_queued_ops_callback_waits_for_a_later_one(ctx):
+    """Remote: on a fresh group rank 0 issues three async all_reduces that
+    rank 1 never joins (the first runs and waits, two stay queued); the
+    second's callback waits in Future.wait() for the third. Rank 0 destroys
+    the group: how long that took and what the chained Future holds."""
+    group = dist.new_group()
+    dist.barrier(group=group)
+    out = None
+    if ctx.rank == 0:
+        works = [dist.all_reduce(torch.ones(4), group=group, async_op=True) for _ in range(3)]
+        third = works[2].get_future()
+        chained = works[1].get_future().then(lambda f: third.wait())
+        time.sleep(0.1)
+        started = time.monotonic()
+        dist.destroy_process_group(group)
+        took = time.monotonic() - started
+        try:
+            chained.wait()
+            out = [took, "no error"]
+        except RuntimeError as err:
+            out = [took, str(err)]
+    else:
+        time.sleep(0.5)
+        dist.destroy_process_group(group)
+    dist.barrier()
+    return out
+
+
+def test_destroy_while_a_queued_ops_callback_waits_for_a_later_one(worlds):
+    """destroy_process_group() failed the queued ops in a row on its own
+    thread: the second op's callback waited for the third, which was failed
+    only after it, and the destroy never returned."""
+    took, error = worlds.run(2, _destroy_while_a_queued_ops_callback_waits_for_a_later_one,
+                             timeout=30)[0]
+    assert took < 10, took
+    assert "shut down" in error, error
 
 
 def _callback_waits_for_an_op_queued_before(ctx, sleeper, how):

@@ -6,6 +6,7 @@
 #include <c10/util/ScopeExit.h>
 
 #include <algorithm>
+#include <future>
 #include <system_error>
 
 #include "algorithms/algorithms.h"
@@ -233,8 +234,30 @@ void RingBackend::shutdown() {
     // Unblocks the op in flight; peers learn at once.
     transport_->abort(rankPrefix(getRank(), getSize()) + " " + why);
   }
+  // Failed in issue order. A taken Future's callbacks may wait in torch's
+  // Future::wait() for a later dropped op, which only a later fail() here
+  // completes: such a Work is failed on a thread of its own, waited for a
+  // little, and joined at the end (in a row, the destroy waited forever).
+  std::vector<std::thread> failing;
   for (auto& e : dropped) {
-    e.work->fail(transportError(e.op.ctx.message(why)));  // ctx names rank, op and tensor
+    std::exception_ptr error = transportError(e.op.ctx.message(why));  // names rank, op, tensor
+    if (!e.work->futureTaken()) {
+      e.work->fail(error);
+      continue;
+    }
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> failed = done->get_future();
+    try {
+      failing.emplace_back([work = e.work, error, done] {
+        nameThisThread("rr-worker");
+        work->fail(error);
+        done->set_value();
+      });
+    } catch (const std::system_error&) {
+      e.work->fail(error);  // no thread to be had: in a row, as before
+      continue;
+    }
+    failed.wait_for(kWatchRescueAfter);
   }
   {
     // An op running on a caller's thread (inline or a helping wait()) is
@@ -253,6 +276,8 @@ void RingBackend::shutdown() {
   // workers hold the object until they leave their loops (stopping_ is set),
   // so they are let go; this thread cannot join itself either.
   const bool fromCallback = tSettlingDepth > 0 || blockingHook().fn != nullptr;
+  workers.insert(workers.end(), std::make_move_iterator(failing.begin()),
+                 std::make_move_iterator(failing.end()));
   for (auto& t : workers) {
     if (fromCallback || t.get_id() == std::this_thread::get_id()) {
       t.detach();

@@ -55,6 +55,9 @@ class RingWork : public c10d::Work {
     return futureTaken_.load();
   }
   bool lookOpen() const { return looked_.load() == 1; }
+  // getFuture() was called: its callbacks may block (shutdown() fails such a
+  // dropped op on a thread of its own).
+  bool futureTaken() const { return futureTaken_.load(); }
   void lookClosed() { looked_.store(2); }
   bool counted = false;  // guarded by the backend's mu_
 

@@ -116,15 +116,7 @@ void P2PEngine::stop() {
     }
   }
   turnCv_.notify_all();
-  watchCv_.notify_all();
   wake();
-  std::thread watcher;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    watcher.swap(watcher_);
-  }
-  // It only ever waits for mu_: joined from any thread, a callback's too.
-  if (watcher.joinable()) watcher.join();
   for (auto& [cb, args] : orphans) cb(args.first, args.second);
   // Joined until none is left: one blocked in a callback may start another.
   while (true) {
@@ -140,6 +132,21 @@ void P2PEngine::stop() {
       } else {
         t.join();
       }
+    }
+  }
+  // The watcher ends with the last thread (it may start threads for the
+  // failures' callbacks until then); it only ever waits for mu_.
+  std::thread watcher;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    watcher.swap(watcher_);
+  }
+  watchCv_.notify_all();
+  if (watcher.joinable()) {
+    if (fromCallback) {
+      watcher.detach();
+    } else {
+      watcher.join();
     }
   }
 }
@@ -447,7 +454,6 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
     fatalReason.clear();
     std::lock_guard<std::mutex> lock(mu_);
     --inCallbacks_;
-    ++callbacksEnded_;
     for (auto& c : held) ready_.push_back(std::move(c));
     held.clear();
   }
@@ -463,12 +469,11 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
     c.first(c.second.first, c.second.second);
     std::lock_guard<std::mutex> lock(mu_);
     --inCallbacks_;
-    ++callbacksEnded_;
   }
 }
 
 void P2PEngine::enterCallbacksLocked() {
-  ++inCallbacks_;
+  if (++inCallbacks_ == live_) busySince_ = Clock::now();
   // A thread that found completions before it polled (a receive matched to a
   // message read aside) runs them without having taken the turn: a thread
   // waiting for it polls meanwhile. Without this wake-up it slept on, and a
@@ -484,14 +489,17 @@ bool P2PEngine::pendingLocked() const {
 }
 
 void P2PEngine::armWatcherLocked() {
-  if (stopping_ || watchArmed_ || watcherFailed_) return;
+  if (watchArmed_ || watcherFailed_ || (stopping_ && live_ == 0)) return;
   watchArmed_ = true;
-  if (watcher_.joinable()) {
+  if (watcherStarted_) {
     watchCv_.notify_one();
     return;
   }
   try {
     watcher_ = std::thread([self = shared_from_this()] { self->watch(); });
+    watcherStarted_ = true;
+    // Started after stop() let the threads go: nobody will join it.
+    if (detachNew_) watcher_.detach();
   } catch (const std::exception& err) {
     watcherFailed_ = true;
     watchArmed_ = false;
@@ -503,26 +511,27 @@ void P2PEngine::armWatcherLocked() {
 void P2PEngine::watch() {
   nameThisThread("rr-p2p-watch");
   std::unique_lock<std::mutex> lock(mu_);
+  // It stays while stopping: the pending ops' failures wait in ready_ for the
+  // engine's threads, whose callbacks may block as before.
+  const auto gone = [this] { return stopping_ && live_ == 0; };
   while (true) {
-    watchCv_.wait(lock, [this] { return watchArmed_ || stopping_; });
-    const uint64_t ended = callbacksEnded_;
-    // Not woken early by progress: one look per kRescueAfter at most. Past
-    // kFastRescues each rescue waits twice as long as the one before (up to
-    // kMaxRescueWait): callbacks that are only slow end one within such a
-    // wait, and stop adding threads; blocked ones never do, and get one each.
-    const int slow = std::max(0, rescues_ - kFastRescues + 1);
-    const auto wait = std::min<std::chrono::milliseconds>(
-        kMaxRescueWait, kRescueAfter * (int64_t{1} << std::min(slow, 16)));
-    watchCv_.wait_for(lock, wait, [this] { return stopping_; });
-    if (stopping_) return;
+    watchCv_.wait(lock, [&] { return watchArmed_ || gone(); });
+    // Not woken early by progress: one look per kRescueAfter at most.
+    watchCv_.wait_for(lock, kRescueAfter, gone);
+    if (gone()) return;
     if (inCallbacks_ < live_ || !pendingLocked()) {
       watchArmed_ = false;  // a thread is free, or nothing waits: armed again when not
       continue;
     }
-    // A callback returned meanwhile: they move (the callback a rescued thread
-    // starts does not count, so the next blocked level is rescued 10 ms on).
-    if (callbacksEnded_ != ended) continue;
-    // Every thread has sat in one callback for that long with ops pending:
+    // Past kFastRescues each rescue waits for a stall twice as long as the one
+    // before (up to kMaxRescueWait): callbacks that are only slow return
+    // within it (and so end the stall) and stop adding threads; blocked ones
+    // never do, and get one each.
+    const int slow = std::max(0, rescues_ - kFastRescues + 1);
+    const auto stall = std::min<std::chrono::milliseconds>(
+        kMaxRescueWait, kRescueAfter * (int64_t{1} << std::min(slow, 16)));
+    if (Clock::now() - busySince_ < stall) continue;  // look again
+    // Every thread has sat in one callback that long with ops pending:
     // blocked (in a wait without a hook, or a late-taken Future's callback)
     // or slow. Another thread runs what is ready and polls meanwhile.
     if (++rescues_ == kFastRescues + 1) {
@@ -599,7 +608,11 @@ void P2PEngine::loop() {
         // lock: a callback that blocks must not count on a thread that is
         // already on its way out (beforeBlocking).
         if (ready_.empty() && fatalReason.empty()) {
-          --live_;
+          if (--live_ == 0) {
+            watchCv_.notify_all();  // the watcher ends with the last thread
+          } else if (inCallbacks_ >= live_) {
+            busySince_ = Clock::now();  // the rest are all in callbacks
+          }
           return;
         }
         continue;

@@ -8,7 +8,7 @@
 // the first is blocked: a callback may wait for another p2p op. A wait that
 // has no hook (torch's Future::wait()) is caught by a watcher thread: when
 // every engine thread has been in callbacks for kRescueAfter with ops
-// pending and no callback returned meanwhile, it starts one more (slow
+// pending (none returned meanwhile), it starts one more (slow
 // callbacks look the same: after kFastRescues, each rescue waits for a
 // stall twice as long as the one before, so slow callbacks, which return
 // now and then, stop adding threads). Each thread
@@ -174,12 +174,14 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   bool polling_ = false;              // a thread polls (or reads and writes)
   size_t waiting_ = 0;                // threads waiting for their turn to poll
   std::condition_variable turnCv_;
-  // The watcher: started at its first arming, joined by stop().
+  // The watcher: started at its first arming, joined by stop() after the
+  // threads (detached when stop() runs in a callback).
   std::thread watcher_;
   std::condition_variable watchCv_;
   bool watchArmed_ = false;
   bool watcherFailed_ = false;        // it could not start: not tried again
-  uint64_t callbacksEnded_ = 0;       // completions (and onFatal_) returned, ever
+  bool watcherStarted_ = false;
+  std::chrono::steady_clock::time_point busySince_;  // since when every thread is in callbacks
   int rescues_ = 0;                   // threads the watcher started (or tried to)
 };
 
