@@ -350,6 +350,21 @@ def test_slow_p2p_callbacks_start_a_bounded_number_of_threads(worlds):
     print("p2p threads started for slow callbacks:", grown)
 
 
+def _destroy_timed(group, chained, abort=False):
+    """Destroys `group` (aborting it first if asked): how long that took and
+    the error `chained` ends with ("no error" if none)."""
+    started = time.monotonic()
+    if abort:
+        group._get_backend(torch.device("cpu")).abort()
+    dist.destroy_process_group(group)
+    took = time.monotonic() - started
+    try:
+        chained.wait()
+        return [took, "no error"]
+    except RuntimeError as err:
+        return [took, str(err)]
+
+
 def _destroy_while_a_callback_waits_for_a_later_receive(ctx, how):
     """Remote: on a fresh group, rank 0's tag-1 receive has a callback that
     waits for its tag-3 receive (through the Work or its Future); rank 1
@@ -368,16 +383,7 @@ def _destroy_while_a_callback_waits_for_a_later_receive(ctx, how):
         if how == "two-futures":  # two callbacks blocked at once in Future.wait()
             one = chained
             chained = second.get_future().then(wait).then(lambda f: one.wait())
-        started = time.monotonic()
-        if how == "abort":
-            group._get_backend(torch.device("cpu")).abort()
-        dist.destroy_process_group(group)
-        took = time.monotonic() - started
-        try:
-            chained.wait()
-            out = [took, "no error"]
-        except RuntimeError as err:
-            out = [took, str(err)]
+        out = _destroy_timed(group, chained, abort=how == "abort")
     else:
         time.sleep(0.5)
         dist.destroy_process_group(group)
@@ -411,14 +417,7 @@ def _destroy_while_a_queued_ops_callback_waits_for_a_later_one(ctx):
         third = works[2].get_future()
         chained = works[1].get_future().then(lambda f: third.wait())
         time.sleep(0.1)
-        started = time.monotonic()
-        dist.destroy_process_group(group)
-        took = time.monotonic() - started
-        try:
-            chained.wait()
-            out = [took, "no error"]
-        except RuntimeError as err:
-            out = [took, str(err)]
+        out = _destroy_timed(group, chained)
     else:
         time.sleep(0.5)
         dist.destroy_process_group(group)
