@@ -13,6 +13,7 @@
 #include "backend/validate.h"
 #include "common/env.h"
 #include "common/gil.h"
+#include "common/rescue.h"
 #include "common/wait_hook.h"
 #include "common/thread_name.h"
 #include "transport/factory.h"
@@ -31,17 +32,6 @@ thread_local bool tWorkerInCallbacks = false;
 // How many Works this thread is settling (nested: a callback's own op).
 thread_local int tSettlingDepth = 0;
 
-// How long a Work's callbacks may hold the queue, with nothing settled, before
-// the watcher runs its front op (armWatcherLocked). Longer than a callback
-// usually takes, so the watcher wakes rarely and takes no op from the worker;
-// short enough that a callback blocked in a Future's wait() loses little time.
-constexpr auto kWatchRescueAfter = std::chrono::milliseconds(10);
-// Workers past which each one the watcher starts waits for a stall twice as
-// long as the one before, up to kMaxRescueWait: callbacks that are only slow
-// settle a Work within such a wait and stop adding workers; blocked ones
-// (waiting for an op queued behind them) never do, and get one each.
-constexpr size_t kFastRescueWorkers = 8;
-constexpr auto kMaxRescueWait = std::chrono::milliseconds(1000);
 
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
@@ -134,14 +124,11 @@ void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) 
     }
     // Sleeps the whole period (no wake-up when the Work settles: that would
     // cost a context switch per op under DDP, whose bucket Futures are taken).
-    // Longer when the rescue needs a worker beyond kFastRescueWorkers.
+    // Longer when the rescue needs a new worker past the first few
+    // (common/rescue.h: slow callbacks settle a Work within it).
     const uint64_t mark = settled_;
-    auto wait = std::chrono::milliseconds(kWatchRescueAfter);
-    if (workersInCallbacks_ >= workers_.size() && workers_.size() >= kFastRescueWorkers) {
-      const size_t beyond = workers_.size() - kFastRescueWorkers + 1;
-      wait = std::min<std::chrono::milliseconds>(
-          kMaxRescueWait, kWatchRescueAfter * (int64_t{1} << std::min<size_t>(beyond, 16)));
-    }
+    const auto wait =
+        workersInCallbacks_ >= workers_.size() ? rescueStall(workers_.size()) : kRescueAfter;
     watchCv_.wait_until(lock, std::chrono::steady_clock::now() + wait,
                         [this] { return stopping_; });
     if (stopping_ || settled_ != mark || !stalledLocked()) continue;
@@ -150,12 +137,11 @@ void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) 
     // as with gloo's two threads. A worker runs it (a new one when every
     // worker is in callbacks), not the watcher: that op's callbacks may wait
     // in turn for the next op (a chain), which the watcher then rescues too.
-    // Callbacks that are only slow get rescued too, so past kFastRescueWorkers
-    // a new worker needs a longer stall (above). With no thread to be had the
+    // Callbacks that are only slow get rescued too, so a new worker past the
+    // first few needs a longer stall (above). With no thread to be had the
     // watcher runs the op itself, as the only way left.
     bool freeWorker = workersInCallbacks_ < workers_.size();
-    if (!freeWorker && workers_.size() >= kFastRescueWorkers &&
-        wait == kWatchRescueAfter) {
+    if (!freeWorker && wait < rescueStall(workers_.size())) {
       continue;  // the workers filled up while it slept: wait the longer stall
     }
     if (!freeWorker) {
@@ -257,7 +243,7 @@ void RingBackend::shutdown() {
       e.work->fail(error);  // no thread to be had: in a row, as before
       continue;
     }
-    failed.wait_for(kWatchRescueAfter);
+    failed.wait_for(kRescueAfter);
   }
   {
     // An op running on a caller's thread (inline or a helping wait()) is

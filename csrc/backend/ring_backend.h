@@ -229,7 +229,7 @@ class RingBackend : public c10d::Backend {
   // RingWork::wait) for an op queued behind its own Work, which no thread
   // starts until that Work is settled. Armed (with mu_) while a Work whose
   // Future was taken is settled with ops queued; when nothing has settled for
-  // kWatchRescueAfter and the queue is held only by such settling (every
+  // kRescueAfter (common/rescue.h) and the queue is held only by such settling (every
   // finished op's Future complete), it lets a worker run the queue's front
   // op (rescue_; a new worker when every one is in callbacks).
   void armWatcherLocked();

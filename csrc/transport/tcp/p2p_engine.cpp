@@ -21,6 +21,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/rescue.h"
 #include "common/thread_name.h"
 #include "common/wait_hook.h"
 #include "transport/tcp/socket.h"
@@ -523,14 +524,9 @@ void P2PEngine::watch() {
       watchArmed_ = false;  // a thread is free, or nothing waits: armed again when not
       continue;
     }
-    // Past kFastRescues each rescue waits for a stall twice as long as the one
-    // before (up to kMaxRescueWait): callbacks that are only slow return
-    // within it (and so end the stall) and stop adding threads; blocked ones
-    // never do, and get one each.
-    const int slow = std::max(0, rescues_ - kFastRescues + 1);
-    const auto stall = std::min<std::chrono::milliseconds>(
-        kMaxRescueWait, kRescueAfter * (int64_t{1} << std::min(slow, 16)));
-    if (Clock::now() - busySince_ < stall) continue;  // look again
+    // Past the first few, a rescue waits for a longer stall (common/rescue.h):
+    // callbacks that are only slow return within it and end the stall.
+    if (Clock::now() - busySince_ < rescueStall(rescues_)) continue;  // look again
     // Every thread has sat in one callback that long with ops pending:
     // blocked (in a wait without a hook, or a late-taken Future's callback)
     // or slow. Another thread runs what is ready and polls meanwhile.
@@ -547,8 +543,8 @@ void P2PEngine::beforeBlocking(bool certain) {
   std::lock_guard<std::mutex> lock(mu_);
   // Callbacks that only may block (a taken Future's: torch's Future::wait()
   // has no hook) get one spare thread at most: no thread per completion
-  // (Python callbacks waiting for the GIL all count as in callbacks). A
-  // second level of such waits stalls the engine (docs/DESIGN.md).
+  // (Python callbacks waiting for the GIL all count as in callbacks). Deeper
+  // levels of such waits are the watcher's (watch()).
   if (!certain && live_ >= 2) return;
   // Also while stopping: the failures of the pending ops wait in ready_ for
   // a thread that is not blocked.

@@ -7,11 +7,9 @@
 // callbacks, starts one more thread (common/wait_hook.h), which polls while
 // the first is blocked: a callback may wait for another p2p op. A wait that
 // has no hook (torch's Future::wait()) is caught by a watcher thread: when
-// every engine thread has been in callbacks for kRescueAfter with ops
-// pending (none returned meanwhile), it starts one more (slow
-// callbacks look the same: after kFastRescues, each rescue waits for a
-// stall twice as long as the one before, so slow callbacks, which return
-// now and then, stop adding threads). Each thread
+// every engine thread has been in callbacks for a while with ops pending, it
+// starts one more (common/rescue.h: slow callbacks look the same, and the
+// stall it waits for grows past the first few). Each thread
 // owns the engine (a shared_ptr): a callback may destroy the process group,
 // stopping the engine from its own thread, and drop the engine's last other
 // owner.
@@ -63,13 +61,6 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   // return. The pending ops fail on the threads (stop() and abort() queue
   // their failures in ready_), so a callback may wait for another's Work.
   void stop();
-
-  // The watcher starts a thread after every thread sat this long in one
-  // callback with ops pending, for the first kFastRescues; each later one
-  // after twice the stall of the one before, up to kMaxRescueWait.
-  static constexpr std::chrono::milliseconds kRescueAfter{10};
-  static constexpr int kFastRescues = 8;
-  static constexpr std::chrono::milliseconds kMaxRescueWait{1000};
 
  private:
   struct Send {
@@ -182,7 +173,7 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   bool watcherFailed_ = false;        // it could not start: not tried again
   bool watcherStarted_ = false;
   std::chrono::steady_clock::time_point busySince_;  // since when every thread is in callbacks
-  int rescues_ = 0;                   // threads the watcher started (or tried to)
+  size_t rescues_ = 0;                // threads the watcher started (or tried to)
 };
 
 }  // namespace tcp
