@@ -146,6 +146,17 @@ def collectives(c, group):
         c.run(name, fn)
 
 
+def our_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith("rr-"))
+
+
 def main():
     mode = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -168,6 +179,43 @@ def main():
         report["seconds"] = time.monotonic() - started
         print(json.dumps(report), flush=True)
         os._exit(0)  # the group is unusable: skip the teardown's collectives
+    if mode == "confirm":
+        # test_an_op_confirmed_as_the_group_is_destroyed_has_one_outcome
+        from torch_ringreduce import _C
+        flag = os.environ["RR_TEST_FLAG"]
+        t = torch.ones(3 << 18)  # 3 MiB of float32: three 1 MiB ring blocks
+        dist.barrier(group=gloo)
+        try:
+            if rank == 0:
+                _C._shm_test_confirm_delay_ms(5000)  # between its TCP and shm checks
+                work = dist.all_reduce(t, async_op=True)
+                while not os.path.exists(flag):  # rank 1 (this host) finished the op
+                    time.sleep(0.005)
+                dist.destroy_process_group()
+                work.wait()
+            else:
+                dist.all_reduce(t)
+                if rank == 1:
+                    open(flag, "w").close()
+            report["outcome"] = "returned"
+            if not torch.equal(t, torch.full_like(t, float(world))):
+                report["outcome"] = "wrong result"
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            report["outcome"] = "raised"
+            report["error"] = str(err)[:400]
+        print(json.dumps(report), flush=True)
+        os._exit(0)  # the group may be unusable: skip the teardown's collectives
+    if mode == "threads":
+        # A small all-reduce is a mixed exchange (this host's peers and the
+        # others' at once), which starts the routed transport's helper.
+        t = torch.full((16,), float(rank))
+        dist.all_reduce(t)
+        report["sum_ok"] = torch.equal(t, torch.full((16,), float(sum(range(world)))))
+        report["during"] = our_threads()
+        dist.destroy_process_group()  # `backend` still holds the group, as DDP would
+        report["after"] = our_threads()
+        print(json.dumps(report), flush=True)
+        return
     os.environ["RINGREDUCE_ALLREDUCE"] = "ring"
     ring = dist.new_group(backend="ringreduce")
     del os.environ["RINGREDUCE_ALLREDUCE"]

@@ -23,8 +23,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_layout(layout, mode="cases", timeout=240):
-    """Runs one rank per entry of `layout` (the host of each rank); returns
+def run_layout(layout, mode="cases", timeout=240, extra_env=None, shape=None):
+    """Runs one rank per entry of `layout` (the host of each rank), with
+    `extra_env` added to each rank's environment, after `shape(hosts)`; returns
     each rank's JSON report."""
     try:
         hosts = _netns.Hosts(max(layout) + 1)
@@ -32,12 +33,15 @@ def run_layout(layout, mode="cases", timeout=240):
     except _netns.Unavailable as err:
         pytest.skip(str(err))
     try:
+        if shape is not None:
+            shape(hosts)
         port = str(_free_port())
         procs = []
         for rank, host in enumerate(layout):
             env = dict(os.environ, PYTHONPATH=REPO, RANK=str(rank), WORLD_SIZE=str(len(layout)),
                        LOCAL_RANK="0", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                       HOSTS_LAYOUT=",".join(map(str, layout)), **hosts.env(host))
+                       HOSTS_LAYOUT=",".join(map(str, layout)), **hosts.env(host),
+                       **(extra_env or {}))
             cmd = hosts.exec(host, [sys.executable, os.path.join(HERE, "_hosts_rank.py"), mode])
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
@@ -87,6 +91,46 @@ def test_rank_death_on_other_host_fails_everyone_fast(layout):
         assert r["raised"], f"rank {rank} completed an all-reduce without the last rank"
         assert r["seconds"] < 20, f"rank {rank} took {r['seconds']:.1f} s to notice"
         assert "rank" in r["raised"] and "allreduce" in r["raised"].lower(), r["raised"]
+
+
+def test_destroy_joins_the_routed_transports_helper():
+    """The thread that drives a mixed exchange's TCP part (`rr-route`) ended
+    only when the backend object was freed, after destroy_process_group for
+    as long as something (DDP) held the group."""
+    layout = [0, 0, 1, 1]
+    for rank, r in enumerate(run_layout(layout, mode="threads")):
+        assert r["sum_ok"], f"rank {rank}: wrong all-reduce result"
+        assert "rr-route" in r["during"], f"rank {rank}: {r['during']}"
+        assert r["after"] == [], f"rank {rank}: still running after destroy: {r['after']}"
+
+
+def test_an_op_confirmed_as_the_group_is_destroyed_has_one_outcome(tmp_path):
+    """A rank on two paths checks an op on both (TCP's abort frames, then the
+    segment's flag) before its Work succeeds. A destroy_process_group on
+    another thread between the two checks sent the other hosts abort frames
+    naming the next op, then failed this one in the shared-memory check: the
+    rank on the other host, checking after the abort, completed the op the
+    destroying rank failed.
+
+    Layout [0, 0, 1], flat ring of 1 MiB blocks, host 0's link slowed so rank
+    2 finishes last. Rank 0 sleeps 5 s in its shared-memory check and is
+    destroyed once rank 1 finished; ranks 0 and 2 must agree (both complete,
+    or, when rank 0 was still sending and not yet checking, both fail)."""
+    def slow_host0(hosts):
+        try:
+            subprocess.run(["ip", "netns", "exec", hosts.names[0], "tc", "qdisc", "add", "dev",
+                            hosts.links[0], "root", "tbf", "rate", "8mbit", "burst", "32kb",
+                            "latency", "2000ms"], check=True, capture_output=True)
+        except (subprocess.CalledProcessError, FileNotFoundError) as err:
+            pytest.skip(f"tc unavailable: {err}")
+
+    reports = run_layout([0, 0, 1], mode="confirm", timeout=120, shape=slow_host0,
+                         extra_env={"RR_TEST_FLAG": str(tmp_path / "rank1-done"),
+                              "RINGREDUCE_ALLREDUCE": "ring",
+                              "RINGREDUCE_SEGMENT_BYTES": str(1 << 20)})
+    assert reports[1]["outcome"] == "returned", reports
+    assert reports[0]["outcome"] == reports[2]["outcome"], (
+        f"one op, two outcomes: {reports}")
 
 
 def test_choice_of_algorithm_on_several_hosts():

@@ -41,10 +41,13 @@ struct Comm {
 
   // Every algorithm moves its data through here: the transport's exchange,
   // then the bytes counted (a failed exchange throws and counts nothing).
+  // The specs' peers are this Comm's ranks before and after (the transport
+  // sees group ranks in between), so specs built from them map once.
   void exchange(std::vector<SendSpec>& sends, std::vector<RecvSpec>& recvs) const {
+    std::vector<int> local;  // the peers as given, on a sub-group
     if (ranks != nullptr) {
-      for (auto& s : sends) s.peer = (*ranks)[s.peer];
-      for (auto& r : recvs) r.peer = (*ranks)[r.peer];
+      for (auto& s : sends) local.push_back(std::exchange(s.peer, (*ranks)[s.peer]));
+      for (auto& r : recvs) local.push_back(std::exchange(r.peer, (*ranks)[r.peer]));
     }
     // Consumers: the transport hands in place what it can; the rest is
     // handed from the receive buffers once the exchange is complete.
@@ -62,6 +65,11 @@ struct Comm {
       };
     }
     transport.exchange(op, sends, recvs);
+    if (ranks != nullptr) {
+      size_t i = 0;
+      for (auto& s : sends) s.peer = local[i++];
+      for (auto& r : recvs) r.peer = local[i++];
+    }
     for (size_t k = 0; k < consumers.size(); ++k) {
       const auto [i, handed] = consumers[k];
       RecvSpec& r = recvs[i];

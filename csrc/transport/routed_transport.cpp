@@ -7,6 +7,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/errors.h"
 #include "common/thread_name.h"
 #include "transport/mesh.h"
 
@@ -19,7 +20,11 @@ using Clock = std::chrono::steady_clock;
 // which waits for it (a thread per exchange would cost its start-up each time).
 class Helper {
  public:
-  ~Helper() {
+  ~Helper() { stop(); }
+
+  // Ends the thread once it has run the job it was given, if any; a later
+  // start() is refused. Not from the helper's own job.
+  void stop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
@@ -28,8 +33,10 @@ class Helper {
     if (thread_.joinable()) thread_.join();
   }
 
-  void start(std::function<void()> job) {
+  // False once stopped: the job is not run.
+  bool start(std::function<void()> job) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return false;
     if (!thread_.joinable()) {
       thread_ = std::thread([this] {
         nameThisThread("rr-route");
@@ -39,6 +46,7 @@ class Helper {
     job_ = std::move(job);
     done_ = false;
     cv_.notify_all();
+    return true;
   }
 
   void wait() {
@@ -51,7 +59,7 @@ class Helper {
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
       cv_.wait(lock, [this] { return stop_ || job_; });
-      if (stop_) return;
+      if (!job_) return;  // stopped; a job given before the stop still runs
       auto job = std::move(job_);
       job_ = nullptr;
       lock.unlock();
@@ -108,20 +116,34 @@ class RoutedTransport : public Transport {
   }
 
   // The segment's flag covers this host's peers; TCP's abort frames the others.
-  // The shared-memory side goes last: it records the op as confirmed, and an
-  // abort after that tells this host's peers the op was not abandoned.
+  // Both checks, and what abandonUnconfirmed() tells the peers, under one
+  // lock: an abort on another thread (shutdown) lands before both checks of
+  // an op (the op fails here and everywhere) or after both (its frames and
+  // flag name the next op, so the op stands everywhere), never between them
+  // (frames naming the next op to the other hosts while this rank failed this
+  // one in its shared-memory check).
   void confirm(const OpInfo& op) override {
+    std::lock_guard<std::mutex> lock(confirmMu_);
     if (mixed_) tcp_->confirm(op);
     shm_->confirm(op);
   }
-  // The other hosts' abort frames and the segment's flag first (one op, one
-  // outcome), then the mesh's abort.
-  void abort(const std::string& reason) override {
+  void abandonUnconfirmed() override {
+    std::lock_guard<std::mutex> lock(confirmMu_);
     if (mixed_) tcp_->abandonUnconfirmed();
+    shm_->abandonUnconfirmed();
+  }
+  // The other hosts' abort frames and the segment's flag first (one op, one
+  // outcome), then the mesh's abort (outside the lock: it may run p2p
+  // callbacks on this thread).
+  void abort(const std::string& reason) override {
+    abandonUnconfirmed();
     shm_->abort(reason);
   }
   std::string abortReason() const override { return tcp_->abortReason(); }
+  // No op runs any more (the backend closes after they left): the helper
+  // thread ends here, not when the backend object is freed.
   void close() override {
+    helper_.stop();
     shm_->close();
     tcp_->close();
   }
@@ -160,13 +182,14 @@ class RoutedTransport : public Transport {
         abort("a transfer failed");  // best effort: the other side must stop waiting
       }
     };
-    helper_.start([&] {
+    const bool started = helper_.start([&] {
       try {
         tcp_->exchange(op, tcpSends, tcpRecvs);
       } catch (...) {
         failed(&tcpError, &tcpAt);
       }
     });
+    if (!started) throwTransportError(unusable(op, "the group was shut down"));
     try {
       shm_->exchange(op, shmSends, shmRecvs);
     } catch (...) {
@@ -199,6 +222,7 @@ class RoutedTransport : public Transport {
   std::unique_ptr<Transport> shm_;  // declared after tcp_: destroyed first (it uses the mesh)
   std::vector<bool> onHost_;        // per rank: a peer on this host (shared memory)
   bool mixed_ = false;              // some peers are on other hosts
+  std::mutex confirmMu_;            // confirm() against abandonUnconfirmed()
   Helper helper_;
 };
 

@@ -199,7 +199,8 @@ class Transport {
   // connections so peers notice at once. Safe from any thread; idempotent.
   virtual void abort(const std::string& reason) = 0;
   // Tells the peers this rank abandons the first op it has not confirmed,
-  // without aborting yet (TCP: abort frames; abort() does it too).
+  // without aborting yet (TCP: abort frames; shared memory: the segment's
+  // flag; abort() does it too).
   virtual void abandonUnconfirmed() {}
   // Empty when healthy, else why the transport was aborted.
   virtual std::string abortReason() const = 0;

@@ -71,12 +71,16 @@ class ShmTransport : public Transport {
   // either before this rank's check of an op (which then fails here too) or
   // after it (the op stands everywhere): one op, one outcome.
   void abort(const std::string& reason) override {
+    abandonUnconfirmed();
+    mesh_.abort(reason);
+  }
+  // The flag alone (a routed transport raises it with its TCP frames).
+  void abandonUnconfirmed() override {
     {
       std::lock_guard<std::mutex> lock(confirmMu_);
       raiseAbortFlag(seg_, confirmed_ + 1);
     }
     for (int r = 0; r < size_; ++r) seg_.ring(r);
-    mesh_.abort(reason);
   }
   std::string abortReason() const override { return mesh_.abortReason(); }
   std::string name() const override { return "shm"; }
