@@ -165,11 +165,15 @@ def stream_semantics(ctx, priority):
     stream = torch.cuda.Stream(device=_cuda(), priority=priority)
     ops = _stream_ops(ctx.world_size, ctx.rank, STREAM_COUNT)
     for name, (issue, want) in ops.items():
-        for mode in ("async", "blocking"):
+        for mode in ("async", "blocking", "block_current_stream"):
             with cases.case(collective=name, mode=mode), torch.cuda.stream(stream):
                 t = _slow_input(ctx.rank, STREAM_COUNT)
-                work, out = issue(t, mode == "async")
-                if work is not None:
+                work, out = issue(t, mode != "blocking")
+                if mode == "block_current_stream":
+                    # torch's default released the stream when the Future
+                    # completed, before the copies back had run (review).
+                    work.block_current_stream()
+                elif work is not None:
                     cases.true(work.wait() is True, "work.wait() did not return True")
                 consumer = out * 1  # a kernel queued on the stream after wait()
                 torch.cuda.current_stream().synchronize()
@@ -204,6 +208,37 @@ def future_then(ctx, side_stream):
                         "then() value read by a later kernel")
         cases.equal(t, torch.full((STREAM_COUNT,), float(n * (n + 1))), "output")
     return cases.result()
+
+
+def captured_all_reduce(ctx):
+    """Remote: an all_reduce issued while the stream is captured into a CUDA
+    graph, then one outside it."""
+    t = torch.ones(16, device=_cuda())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device=_cuda())
+    captured = attempt(lambda: _capture(graph, stream, t))
+    after = torch.full((16,), float(ctx.rank + 1), device=_cuda())
+    dist.all_reduce(after)
+    return {"captured": captured, "after": after.cpu().tolist()}
+
+
+def _capture(graph, stream, t):
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        dist.all_reduce(t)
+
+
+def test_cuda_an_op_captured_in_a_graph_is_refused_at_the_call(worlds):
+    """Host staging cannot be replayed by a CUDA graph. Our stream used to wait
+    on the capturing stream's event, a CUDA error on the worker that aborted
+    the group (review, static). Refused at the call on every rank alike, the
+    group stays usable."""
+    n = 2
+    for rank, res in enumerate(worlds.run(n, captured_all_reduce, timeout=RUN_TIMEOUT_S)):
+        err = res["captured"]
+        assert err is not None, f"rank {rank}: an all_reduce was captured into a graph"
+        assert "CUDA graph" in err["msg"], f"rank {rank}: {err}"
+        assert res["after"] == [float(n * (n + 1) // 2)] * 16, f"rank {rank}: {res['after']}"
 
 
 @pytest.mark.parametrize("side_stream", [False, True])

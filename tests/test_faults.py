@@ -601,7 +601,15 @@ def _one_rank_rejects(ctx, transport, op, then):
     bad = ctx.rank == 1
 
     def first():
-        if op == "all_gather":
+        if op == "after_numbering":  # valid arguments, refused once numbered
+            from torch_ringreduce import _C
+            if bad:
+                _C._test_reject_after_numbering(1)
+            try:
+                dist.all_reduce(t, group=group)
+            finally:
+                _C._test_reject_after_numbering(0)
+        elif op == "all_gather":
             dist.all_gather([torch.empty(4) for _ in range(n - 1 if bad else n)], t,
                             group=group)
         elif op == "all_reduce":
@@ -619,12 +627,17 @@ def _one_rank_rejects(ctx, transport, op, then):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("op,then", [("all_gather", "wait"), ("all_reduce", "wait"),
-                                     ("reduce_scatter_tensor", "next")])
+                                     ("reduce_scatter_tensor", "next"),
+                                     ("after_numbering", "wait")])
 def test_a_bad_argument_on_one_rank_only_fails_every_rank_at_once(pool, transport, op, then):
     """The same call passes on the other ranks, which are then in the op: they
     used to wait for the group's timeout (gloo's do), then blame rank 1 for
     making no progress. Rank 1's op takes its sequence number and says why in
-    the store; a rank waiting in the op finds it within about 100 ms."""
+    the store; a rank waiting in the op finds it within about 100 ms.
+    `after_numbering`: the error comes after the op took its number and before
+    it was queued (CUDA tensors' host copies are allocated there; a test hook
+    stands in): it was not published, and the others waited for rank 1's next
+    op (review, static)."""
     results = pool.run(3, _one_rank_rejects, transport, op, then, timeout=RUN_TIMEOUT_S)
     assert [res["kind"] for res in results] == [transport] * 3
     rejected = results[1]["first"]

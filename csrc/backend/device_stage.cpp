@@ -96,6 +96,15 @@ DeviceStage DeviceStage::begin(const OpContext& ctx, const std::vector<at::Tenso
   }
   const c10::Device device = first->device();
   c10::cuda::CUDAGuard guard(device);
+  // Host staging runs on the CPU, which a graph cannot replay: refused at the
+  // call (a ValueError every rank hears of), not a CUDA error on our stream
+  // once it waits on the capturing stream.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(
+      c10::cuda::getCurrentCUDAStream(device.index()).stream(), &capture));
+  RR_CHECK_VALUE(capture == cudaStreamCaptureStatusNone, ctx,
+                 "cannot be captured in a CUDA graph (ringreduce stages CUDA tensors through "
+                 "host memory, which a graph cannot replay): ", describe(*first));
   DeviceStage stage;
   stage.impl_ = std::make_shared<Impl>(device, internalStream(device.index()));
   // The copies start after everything the caller queued before the op (the

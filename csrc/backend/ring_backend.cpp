@@ -52,6 +52,11 @@ std::atomic<int64_t>& testCompleteDelayMs() {
   return ms;
 }
 
+std::atomic<int64_t>& testRejectAfterNumbering() {
+  static std::atomic<int64_t> ops{0};
+  return ops;
+}
+
 RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                          std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size), timeout_(timeout) {
@@ -297,10 +302,13 @@ std::chrono::milliseconds RingBackend::effective(std::chrono::milliseconds opTim
 
 namespace {
 
-// The collective this thread is issuing: set by nextContext, taken by makeOp.
+// The collective this thread is issuing: set by nextContext, taken by makeOp
+// (which numbers it), queued or run by enqueue.
 struct Issuing {
   const RingBackend* backend = nullptr;
   bool taken = true;
+  uint64_t seq = 0;     // makeOp's number
+  bool queued = false;  // enqueue has it
 };
 thread_local Issuing issuing;
 
@@ -312,13 +320,17 @@ OpContext RingBackend::nextContext(const char* name, TensorDesc tensor) const {
 }
 
 void RingBackend::rejectedAtCall(const c10::Error& error) {
-  if (issuing.backend != this || issuing.taken) return;
-  issuing.taken = true;
-  uint64_t seq = 0;
-  {
+  if (issuing.backend != this || issuing.queued) return;
+  uint64_t seq = issuing.seq;
+  if (!issuing.taken) {
+    issuing.taken = true;
     std::lock_guard<std::mutex> lock(mu_);
     seq = ++seq_;
   }
+  // Else it threw after makeOp numbered it and before enqueue (the host
+  // copies of CUDA tensors are allocated there: pinned memory ran out): the
+  // number is used all the same, and published as rejected like the rest.
+  issuing.queued = true;
   // A role check aborted the group already (roleChecks): nothing to add.
   if (getSize() > 1 && transport_->abortReason().empty()) {
     transport_->mesh().publishRejected(seq, error.what_without_backtrace());
@@ -328,11 +340,19 @@ void RingBackend::rejectedAtCall(const c10::Error& error) {
 OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
                            uint64_t total, int32_t root) {
   traffic_->countOp(name);
-  if (issuing.backend == this) issuing.taken = true;
   OpInfo op;
   std::lock_guard<std::mutex> lock(mu_);
   op.ctx = OpContext{getRank(), getSize(), name, ++seq_,
                      t.defined() ? TensorDesc(t) : TensorDesc()};
+  if (issuing.backend == this && !issuing.taken) {
+    issuing.taken = true;
+    issuing.seq = op.ctx.seq;
+  }
+  std::atomic<int64_t>& reject = testRejectAfterNumbering();
+  int64_t left = reject.load();
+  while (left > 0 && !reject.compare_exchange_weak(left, left - 1)) {
+  }
+  TORCH_CHECK_VALUE(left <= 0, op.ctx.message("rejected after numbering (testing)"));
   op.kind = kind;
   op.dtype = t.defined() ? static_cast<uint8_t>(t.scalar_type()) : 0;
   op.reduceOp = reduceOp;
@@ -361,6 +381,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
                                                     std::vector<at::Tensor> outputs, bool asyncOp,
                                                     Job run, DeviceStage stage,
                                                     const std::vector<at::Tensor>& inputs) {
+  if (issuing.backend == this && issuing.seq == op.ctx.seq) issuing.queued = true;
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs), std::move(stage),
                                             inputs);
   Entry e{std::move(op), effective(opTimeout), work, std::move(run), tSettlingDepth > 0};

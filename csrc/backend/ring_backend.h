@@ -39,6 +39,10 @@ class WaitPolicy;
 // Testing only: each op run sleeps this long after completing its Work, before
 // its thread takes the next one (0: not at all), as a preempted worker would.
 std::atomic<int64_t>& testCompleteDelayMs();
+// Testing only: the next this-many collectives throw a ValueError once makeOp
+// has numbered them, before they are queued, as a failed allocation of the
+// host copies of CUDA tensors does.
+std::atomic<int64_t>& testRejectAfterNumbering();
 
 class RingBackend : public c10d::Backend {
  public:

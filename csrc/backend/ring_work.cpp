@@ -125,6 +125,18 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
+void RingWork::synchronize() {
+  stage_.blockCurrentStream();
+}
+
+void RingWork::blockCurrentStream() {
+  if (!stage_.device()) {
+    c10d::Work::blockCurrentStream();
+    return;
+  }
+  wait();
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> RingWork::getFuture() {
   futureTaken_.store(true);
   // Taken while settle() completes the Future: its callbacks may still be

@@ -37,6 +37,15 @@ class RingWork : public c10d::Work {
   // Blocks until done (or the timeout passes: then throws, the op keeps
   // running) and rethrows the op's error.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  // CUDA: the caller's current stream waits for the copies back (torch's
+  // default puts nothing on it).
+  void synchronize() override;
+  // CPU tensors: torch's (a spin kernel on the current stream, released when
+  // the Future completes). CUDA tensors: the copies back are queued on our
+  // stream only once the op's CPU part is done, after the Future's release
+  // would let the caller's stream run, so the host waits for that part (as
+  // wait() does) and the caller's stream then waits for the copies.
+  void blockCurrentStream() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override;
 

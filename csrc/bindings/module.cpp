@@ -135,6 +135,14 @@ PYBIND11_MODULE(_C, m) {
       "thread moves on (0: not at all); returns the previous value.");
 
   m.def(
+      "_test_reject_after_numbering",
+      [](int64_t ops) { return ringreduce::testRejectAfterNumbering().exchange(ops); },
+      py::arg("ops"),
+      "Testing only: the next this-many collectives raise ValueError once they have taken "
+      "their sequence number, before they are queued (as a failed allocation of CUDA "
+      "tensors' host copies does); returns the previous value.");
+
+  m.def(
       "_test_throwing_future_callbacks",
       [](int64_t works) { return ringreduce::testThrowingCallbacks().exchange(works); },
       py::arg("works"),

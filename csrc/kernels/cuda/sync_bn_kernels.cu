@@ -79,19 +79,23 @@ __global__ void statsPackKernel(const T* x, Layout l, double* pack) {
   }
 }
 
+// Grid-stride (as every per-element and per-channel loop here): gridFor caps
+// the grid at 65,535 blocks, so one channel per thread would leave channels
+// past 16.8 M unwritten.
 template <typename S>
 __global__ void finalizeKernel(const double* pack, int64_t C, double eps, S* mean, S* invstd, S* var) {
-  const int64_t c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  const double n = pack[c];
-  const double mu = n > 0 ? pack[C + c] / n : 0.0;
-  // Clamped at 0 as the CPU's std::max does: a NaN stays NaN (fmax would give 0
-  // and a channel with a NaN or inf would get a finite running_var).
-  const double raw = n > 0 ? (pack[2 * C + c] - pack[C + c] * mu) / n : 0.0;
-  const double biased = raw < 0.0 ? 0.0 : raw;
-  mean[c] = static_cast<S>(mu);
-  invstd[c] = static_cast<S>(rsqrt(biased + eps));
-  var[c] = static_cast<S>(n > 1 ? biased * n / (n - 1) : biased);
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < C;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double n = pack[c];
+    const double mu = n > 0 ? pack[C + c] / n : 0.0;
+    // Clamped at 0 as the CPU's std::max does: a NaN stays NaN (fmax would give
+    // 0 and a channel with a NaN or inf would get a finite running_var).
+    const double raw = n > 0 ? (pack[2 * C + c] - pack[C + c] * mu) / n : 0.0;
+    const double biased = raw < 0.0 ? 0.0 : raw;
+    mean[c] = static_cast<S>(mu);
+    invstd[c] = static_cast<S>(rsqrt(biased + eps));
+    var[c] = static_cast<S>(n > 1 ? biased * n / (n - 1) : biased);
+  }
 }
 
 template <typename T, typename S>
@@ -111,11 +115,12 @@ __global__ void normalizeKernel(const T* x, T* y, Layout l, const S* mean, const
 template <typename S>
 __global__ void runningStatsKernel(S* rm, S* rv, const S* mean, const S* var, int64_t C,
                                    const int64_t* nbt, double momentum) {
-  const int64_t c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
   const double f = nbt ? 1.0 / static_cast<double>(*nbt) : momentum;
-  rm[c] = static_cast<S>((1 - f) * rm[c] + f * mean[c]);
-  if (rv) rv[c] = static_cast<S>((1 - f) * rv[c] + f * var[c]);
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < C;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    rm[c] = static_cast<S>((1 - f) * rm[c] + f * mean[c]);
+    if (rv) rv[c] = static_cast<S>((1 - f) * rv[c] + f * var[c]);
+  }
 }
 
 template <typename T, typename S>
