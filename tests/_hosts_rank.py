@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "scripts"))
+from _outcomes import our_threads  # noqa: E402
 from _traffic_model import allreduce_bytes  # noqa: E402
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -144,17 +145,6 @@ def collectives(c, group):
                      ("all_to_all", all_to_all), ("send/recv", p2p),
                      ("barrier", lambda: dist.barrier(group=group))]:
         c.run(name, fn)
-
-
-def our_threads():
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:  # the thread ended meanwhile
-            pass
-    return sorted(n for n in names if n.startswith("rr-"))
 
 
 def main():

@@ -1,6 +1,7 @@
 """What the error-path suites share: a rank's error as a picklable dict, one
 call timed, an environment set around a call, and the survivors' verdict on a
-killed rank (test_errors, test_faults, test_shm, test_cuda_collectives)."""
+killed rank, our threads by name (test_errors, test_faults, test_shm,
+test_cuda_collectives, _hosts_rank)."""
 import os
 import re
 import time
@@ -14,6 +15,18 @@ CPU = torch.device("cpu")
 def backend_of(group=None):
     """The group's (default: WORLD) backend object for CPU tensors."""
     return (group or dist.group.WORLD)._get_backend(CPU)
+
+
+def our_threads():
+    """The names of this process's threads that are ours (`rr-...`), sorted."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith("rr-"))
 
 
 def error_info(err, started=None):

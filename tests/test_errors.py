@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from _harness import World, backend_under_test
-from _outcomes import assert_survivors_name, backend_of, error_info
+from _outcomes import assert_survivors_name, backend_of, error_info, our_threads
 
 R = dist.ReduceOp
 CPU = torch.device("cpu")
@@ -595,23 +595,12 @@ def test_a_store_prefix_reused_by_a_group_of_another_size(bare_worlds):
     assert results[0] == results[1] == [2.0] * 4, results
 
 
-def _our_threads():
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:  # the thread ended meanwhile
-            pass
-    return sorted(n for n in names if n.startswith("rr-"))
-
-
 def _threads_around_destroy(ctx):
     """Remote: our threads while a DDP model trains on the group, and after
     destroy_process_group while the model still holds the group."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    before = _our_threads()  # a store call an earlier test left may still be finishing
+    before = our_threads()  # a store call an earlier test left may still be finishing
     store = ctx.new_store("threads")
     dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
                             world_size=ctx.world_size, timeout=ctx.pg_timeout)
@@ -638,9 +627,9 @@ def _threads_around_destroy(ctx):
             time.sleep(0.1 if k == 2 else 0)
             dist.send(torch.ones(2), dst=0, tag=k)
     dist.barrier()
-    during = _our_threads()
+    during = our_threads()
     dist.destroy_process_group()
-    after = sorted((Counter(_our_threads()) - Counter(before)).elements())
+    after = sorted((Counter(our_threads()) - Counter(before)).elements())
     held = model.process_group is not None
     del model
     return {"during": during, "after": after, "held": held}
