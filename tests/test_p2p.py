@@ -156,3 +156,48 @@ def test_a_receive_posted_while_its_message_is_read_aside_gets_all_of_it(worlds)
         assert wrong == 0, f"posted after {delay} s: {wrong} elements not received, " \
                            f"the first at {first}"
         assert late == [2.0] * 4
+
+
+def _peers_leave_while_others_receive(ctx):
+    """Remote, 3 ranks, a fresh group: rank 0 leaves it at once; rank 1 sends
+    rank 2 one message and leaves later; rank 2 receives from any source, then
+    from rank 0, then, once rank 1 left too, from any source again."""
+    from _outcomes import attempt
+
+    group = dist.new_group()
+    dist.barrier(group=group)
+    out = {}
+    if ctx.rank == 0:
+        dist.destroy_process_group(group)
+    elif ctx.rank == 1:
+        dist.send(torch.full((10,), 42.0), dst=2, tag=7, group=group)
+    dist.barrier(group=ctx.oracle)  # rank 0 left, rank 1's message sent
+    if ctx.rank == 2:
+        t = torch.zeros(10)
+        src = dist.recv(t, tag=7, group=group)  # any source
+        out["any"] = (src, t.tolist())
+        out["from_left"] = attempt(lambda: dist.recv(torch.zeros(10), src=0, tag=7, group=group))
+    dist.barrier(group=ctx.oracle)
+    if ctx.rank == 1:
+        dist.destroy_process_group(group)
+    dist.barrier(group=ctx.oracle)  # rank 1 left
+    if ctx.rank == 2:
+        out["all_left"] = attempt(lambda: dist.recv(torch.zeros(10), tag=7, group=group))
+        dist.destroy_process_group(group)
+    return out
+
+
+def test_a_peer_that_left_fails_only_what_it_was_to_send(worlds):
+    """A peer's connection ending was fatal to the group, a clean
+    destroy_process_group as much as a crash: a receive from any source read
+    every connection, so once rank 0 had left it failed although rank 1's
+    message was there (gloo receives it; found by fuzzing). A clean leave now
+    says so on the connection first (a crash still fails the group)."""
+    received = worlds.run(3, _peers_leave_while_others_receive, timeout=60)[2]
+    assert received["any"] == (1, [42.0] * 10), received
+    for key, who in (("from_left", "rank 0 left the group"),
+                     ("all_left", "every other rank left the group")):
+        err = received[key]
+        assert err is not None, f"{key}: the receive completed: {received}"
+        assert err["is_dist_backend_error"] and who in err["msg"], err
+        assert err["elapsed_s"] < 2, err

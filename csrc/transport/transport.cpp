@@ -111,6 +111,7 @@ const char* opKindName(OpKind kind) {
     case OpKind::kSend: return "send/recv";
     case OpKind::kAbort: return "abort";
     case OpKind::kSparseAllreduce: return "sparse allreduce";
+    case OpKind::kLeave: return "leave";
   }
   return "unknown-op";
 }

@@ -31,6 +31,7 @@ enum class OpKind : uint8_t {
   kSend,   // point-to-point (send/recv/recvAnysource)
   kAbort,  // written after a failing rank's last whole message: "I abandoned op #seq"
   kSparseAllreduce,  // allreduce of COO tensors (metadata, indices, values gathered)
+  kLeave,  // p2p: the sender left the group cleanly (destroy_process_group); nothing follows
 };
 
 const char* opKindName(OpKind kind);

@@ -60,6 +60,7 @@ P2PEngine::P2PEngine(Private, int rank, int size, std::vector<int> fds,
       incoming_(size),
       buffered_(size),
       sendSeq_(size, 0),
+      left_(size, 0),
       onFatal_(std::move(onFatal)),
       explain_(std::move(explain)) {
   TORCH_CHECK(pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) == 0, rankPrefix(rank, size),
@@ -100,6 +101,20 @@ void P2PEngine::stop() {
   std::vector<Completion> orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A clean leave (nothing failed) tells each peer so, after its last whole
+    // message: a receive from any source there then waits for the others
+    // instead of failing the group at this connection's end. Not after part
+    // of a message (the end mid-message is an error there), and best effort
+    // (a full socket buffer: no farewell, the end is an error as before).
+    if (failed_.empty() && !stopping_) {
+      WireHeader bye{kWireMagic, static_cast<uint8_t>(OpKind::kLeave), 0, kNoReduceOp, 0,
+                     kNoRoot, 0, 0, kUnchecked, 0, 0};
+      for (int peer = 0; peer < size_; ++peer) {
+        if (peer == rank_ || fds_[peer] < 0) continue;
+        if (!sends_[peer].empty() && sends_[peer].front().done > 0) continue;
+        (void)!::send(fds_[peer], &bye, sizeof(bye), MSG_NOSIGNAL | MSG_DONTWAIT);
+      }
+    }
     stopping_ = true;
     if (fromCallback) detachNew_ = true;
     // The pending ops fail through ready_, run by the threads on their way
@@ -237,6 +252,7 @@ void P2PEngine::fatal(const std::string& reason, std::vector<Completion>& done) 
 }
 
 bool P2PEngine::wantsRead(int peer) const {
+  if (left_[peer]) return false;
   const Incoming& in = incoming_[peer];
   if (in.headerDone == sizeof(WireHeader)) return in.matched || in.draining || in.buffering;
   if (in.headerDone > 0) return true;
@@ -249,6 +265,12 @@ bool P2PEngine::wantsRead(int peer) const {
 void P2PEngine::matchHeader(int peer, std::vector<Completion>& done) {
   Incoming& in = incoming_[peer];
   const WireHeader& h = in.header;
+  if (h.magic == kWireMagic && h.kind == static_cast<uint8_t>(OpKind::kLeave)) {
+    left_[peer] = 1;
+    in = Incoming{};
+    failForLeftLocked(done);
+    return;
+  }
   if (h.magic != kWireMagic || h.kind != static_cast<uint8_t>(OpKind::kSend)) {
     fatal(rankPrefix(rank_, size_) + " protocol error on the p2p connection from rank " +
               std::to_string(peer) + " (" + addrs_[peer] + "): bad message header",
@@ -332,10 +354,41 @@ void P2PEngine::matchBuffered(std::vector<Completion>& done) {
   }
 }
 
+void P2PEngine::failForLeftLocked(std::vector<Completion>& done) {
+  int remaining = 0;  // peers still in the group
+  for (int peer = 0; peer < size_; ++peer) remaining += peer != rank_ && !left_[peer];
+  if (remaining == size_ - 1) return;
+  matchBuffered(done);  // what they sent before leaving is still received
+  const std::string left = " left the group (destroy_process_group)";
+  for (auto it = recvs_.begin(); it != recvs_.end();) {
+    const bool gone = it->peer >= 0 ? left_[it->peer] != 0 : remaining == 0;
+    if (it->claimed || !gone) {
+      ++it;
+      continue;
+    }
+    const std::string who = it->peer >= 0 ? "rank " + std::to_string(it->peer) + left
+                                          : "every other rank" + left;
+    done.push_back({std::move(it->cb),
+                    {it->peer, transportError(it->op.ctx.message(
+                                   who + " before sending a message for this receive"))}});
+    it = recvs_.erase(it);
+  }
+  for (int peer = 0; peer < size_; ++peer) {
+    if (!left_[peer]) continue;
+    for (auto& send : sends_[peer]) {
+      done.push_back({std::move(send.cb),
+                      {peer, transportError(send.op.ctx.message(
+                                 "rank " + std::to_string(peer) + left +
+                                 " before this message was sent"))}});
+    }
+    sends_[peer].clear();
+  }
+}
+
 void P2PEngine::readFrom(int peer, std::vector<Completion>& done) {
   Incoming& in = incoming_[peer];
   char scratch[64 * 1024];
-  while (true) {
+  while (!left_[peer]) {
     bool inHeader = in.headerDone < sizeof(WireHeader);
     if (!inHeader && !in.matched && !in.draining && !in.buffering) {
       return;  // waiting for a matching recv
@@ -617,8 +670,9 @@ void P2PEngine::loop() {
       pfds.clear();
       peers.clear();
       matchBuffered(done);
+      failForLeftLocked(done);
       for (int peer = 0; peer < size_; ++peer) {
-        if (peer == rank_) continue;
+        if (peer == rank_ || left_[peer]) continue;
         Incoming& in = incoming_[peer];
         // A message being read aside is finished there first (a receive
         // posted meanwhile takes it from buffered_): matched now, its first

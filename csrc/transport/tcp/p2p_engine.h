@@ -123,6 +123,10 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   // callbacks; false if none could start. mu_ held.
   bool ensureRunnerLocked(const char* why);
   bool wantsRead(int peer) const;
+  // Fails what can no longer complete because peers left the group cleanly:
+  // receives naming one (once no message read aside matches them), receives
+  // from any source once every peer left, sends to one. mu_ held.
+  void failForLeftLocked(std::vector<Completion>& done);
   void matchHeader(int peer, std::vector<Completion>& done);
   // Hands messages read aside to the receives posted for them, oldest first.
   void matchBuffered(std::vector<Completion>& done);
@@ -152,6 +156,9 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   std::vector<Incoming> incoming_;       // per peer
   std::vector<std::deque<Buffered>> buffered_;  // per peer, read aside, in arrival order
   std::vector<uint64_t> sendSeq_;        // per peer message index
+  // Per peer: its farewell (kLeave) was read; its connection is read no more,
+  // so its end is not an error (a crash's end, without one, still is).
+  std::vector<char> left_;
   std::string failed_;                   // set once aborted
   std::string fatal_;                    // to report through onFatal_, outside the lock
   std::function<void(const std::string&)> onFatal_;
