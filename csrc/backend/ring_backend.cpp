@@ -349,10 +349,8 @@ OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, u
     issuing.seq = op.ctx.seq;
   }
   std::atomic<int64_t>& reject = testRejectAfterNumbering();
-  int64_t left = reject.load();
-  while (left > 0 && !reject.compare_exchange_weak(left, left - 1)) {
-  }
-  TORCH_CHECK_VALUE(left <= 0, op.ctx.message("rejected after numbering (testing)"));
+  TORCH_CHECK_VALUE(reject.load(std::memory_order_relaxed) <= 0 || reject.fetch_sub(1) <= 0,
+                    op.ctx.message("rejected after numbering (testing)"));
   op.kind = kind;
   op.dtype = t.defined() ? static_cast<uint8_t>(t.scalar_type()) : 0;
   op.reduceOp = reduceOp;

@@ -268,6 +268,7 @@ void P2PEngine::matchHeader(int peer, std::vector<Completion>& done) {
   if (h.magic == kWireMagic && h.kind == static_cast<uint8_t>(OpKind::kLeave)) {
     left_[peer] = 1;
     in = Incoming{};
+    matchBuffered(done);  // what it sent before leaving is still received
     failForLeftLocked(done);
     return;
   }
@@ -358,7 +359,6 @@ void P2PEngine::failForLeftLocked(std::vector<Completion>& done) {
   int remaining = 0;  // peers still in the group
   for (int peer = 0; peer < size_; ++peer) remaining += peer != rank_ && !left_[peer];
   if (remaining == size_ - 1) return;
-  matchBuffered(done);  // what they sent before leaving is still received
   const std::string left = " left the group (destroy_process_group)";
   for (auto it = recvs_.begin(); it != recvs_.end();) {
     const bool gone = it->peer >= 0 ? left_[it->peer] != 0 : remaining == 0;

@@ -124,8 +124,9 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   bool ensureRunnerLocked(const char* why);
   bool wantsRead(int peer) const;
   // Fails what can no longer complete because peers left the group cleanly:
-  // receives naming one (once no message read aside matches them), receives
-  // from any source once every peer left, sends to one. mu_ held.
+  // receives naming one, receives from any source once every peer left,
+  // sends to one. Called after matchBuffered (a message read aside before the
+  // peer left still goes to its receive). mu_ held.
   void failForLeftLocked(std::vector<Completion>& done);
   void matchHeader(int peer, std::vector<Completion>& done);
   // Hands messages read aside to the receives posted for them, oldest first.
