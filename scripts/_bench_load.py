@@ -35,6 +35,16 @@ either side: the machine's bandwidth drifts. Every row gets busbw / memcpy
 (the row's median repeat over the copies' median: busbw_per_memcpy; the best
 over the best: busbw_per_memcpy_best) and busbw / memcpy of all ranks at once
 (medians); the table's footer gives them at the largest size.
+
+A copy reads its source and also reads each line of its destination before
+writing it, so every rank copying at once is not the tightest bound. The
+floor of an in-place all-reduce on this memory is every rank at once making
+one in-place pass over its buffer (x.mul_(1.0): each byte read once and
+written once, nothing else): an all-reduce of a buffer larger than the caches
+moves at least that through the memory on every rank, so its busbw cannot
+pass that pass's bytes per second. --memcpy measures it beside the copies and
+the footer gives busbw / that pass and the pass / one core's copy: the
+highest busbw / memcpy any algorithm could reach in the run.
 """
 import argparse
 import dataclasses
@@ -187,14 +197,19 @@ class SoloGroup:
         return lambda: op.run(self.group)
 
 
-def memcpy_bandwidth(nbytes, repeats=MEMCPY_REPEATS, before_each=None):
+_HOW = {"copy": "torch.Tensor.copy_, float32", "inplace": "torch.Tensor.mul_(1.0), float32"}
+
+
+def memcpy_bandwidth(nbytes, repeats=MEMCPY_REPEATS, before_each=None, how="copy"):
     """One core's copy_ bandwidth in bytes/s over float32 buffers of nbytes: best of repeats.
 
-    before_each (a barrier) lines the repeats up when every rank copies at once."""
+    before_each (a barrier) lines the repeats up when every rank copies at once.
+    how="inplace" times one in-place pass (mul_(1.0)) over one buffer instead."""
     count = max(1, nbytes // 4)
     src, dst = torch.ones(count), torch.empty(count)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    step = (lambda: dst.copy_(src)) if how == "copy" else (lambda: src.mul_(1.0))
     try:
         dst.copy_(src)  # first touch: page faults are no part of a copy's cost
         times = []
@@ -202,24 +217,24 @@ def memcpy_bandwidth(nbytes, repeats=MEMCPY_REPEATS, before_each=None):
             if before_each is not None:
                 before_each()
             start = time.perf_counter()
-            dst.copy_(src)
+            step()
             times.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-    return _copy_summary(count * 4, times)
+    return _copy_summary(count * 4, times, how)
 
 
-def _copy_summary(nbytes, times):
+def _copy_summary(nbytes, times, how="copy"):
     return {"bytes": nbytes, "best_s": min(times), "GBps": nbytes / min(times) / 1e9,
             "median_GBps": nbytes / statistics.median(times) / 1e9, "times_s": times,
-            "repeats": len(times), "threads": 1, "how": "torch.Tensor.copy_, float32"}
+            "repeats": len(times), "threads": 1, "how": _HOW[how]}
 
 
 class References:
     """The floor and the memcpy bandwidth of one run: measured, printed, kept for the JSON."""
 
     def __init__(self, args, ctx, timeout):
-        self.solo = self.floor = self.memcpy = self.memcpy_all = None
+        self.solo = self.floor = self.memcpy = self.memcpy_all = self.inplace_all = None
         self.errors = {}
         self.rank, self.n, self.want_memcpy = ctx.rank, ctx.n, args.memcpy
         if args.floor:
@@ -239,9 +254,9 @@ class References:
     def _measure_copies(self):
         """One core's copies (rank 0), then every rank's at once; added to the
         repeats measured so far."""
-        def merged(old, new):
+        def merged(old, new, how="copy"):
             return new if old is None else _copy_summary(old["bytes"],
-                                                        old["times_s"] + new["times_s"])
+                                                        old["times_s"] + new["times_s"], how)
 
         if self.rank == 0:
             self.memcpy = merged(self.memcpy, memcpy_bandwidth(self.nbytes))
@@ -251,6 +266,11 @@ class References:
         self.memcpy_all = merged(self.memcpy_all,
                                  memcpy_bandwidth(self.nbytes, before_each=dist.barrier))
         self.memcpy_all["ranks"] = self.n
+        # The tighter bound: one in-place pass per rank, all at once.
+        self.inplace_all = merged(self.inplace_all,
+                                  memcpy_bandwidth(self.nbytes, before_each=dist.barrier,
+                                                   how="inplace"), "inplace")
+        self.inplace_all["ranks"] = self.n
 
     def head(self):
         lines = [f"# floor: could not create the one-rank group: {self.errors['floor']}"
@@ -261,6 +281,10 @@ class References:
                          f"{bu.size_label(m['bytes'])} float32, best of {m['repeats']})")
             lines.append(f"# memcpy, one core per rank, all {self.memcpy_all['ranks']} at once: "
                          f"{self.memcpy_all['GBps']:.2f} GB/s each (rank 0's best)")
+            lines.append(f"# in-place pass (mul_), one core per rank, all "
+                         f"{self.inplace_all['ranks']} at once: "
+                         f"{self.inplace_all['GBps']:.2f} GB/s each (rank 0's best; "
+                         f"no in-place all-reduce's busbw can pass it)")
         return lines
 
     def after_row(self, op_name, op, rows, measure, args, groups):
@@ -305,11 +329,13 @@ class References:
             return []
         lines = []
         largest = max(r["size_bytes"] for r in rows)
-        one, every = self.memcpy, self.memcpy_all
+        one, every, passes = self.memcpy, self.memcpy_all, self.inplace_all
         for key, ref_bw, best, what in (
                 ("busbw_per_memcpy", one["median_GBps"], False, "memcpy"),
                 ("busbw_per_memcpy_best", one["GBps"], True, "memcpy"),
-                ("busbw_per_memcpy_all", every["median_GBps"], False, "memcpy all ranks")):
+                ("busbw_per_memcpy_all", every["median_GBps"], False, "memcpy all ranks"),
+                ("busbw_per_inplace_all", passes["median_GBps"], False,
+                 "in-place pass all ranks")):
             for row in rows:
                 if row["busbw_GBps"] is None:
                     continue
@@ -323,8 +349,11 @@ class References:
             lines.append(f"# busbw / {what} ({ref_bw:.2f} GB/s; {how}, the run's "
                          f"{len(one['times_s'])} copies so far) at {bu.size_label(largest)}: "
                          f"{', '.join(parts) or 'n/a'}")
+        lines.append(f"# ceiling of busbw / memcpy in this run (in-place pass of all ranks at "
+                     f"once / one core's copy, median / median): "
+                     f"{passes['median_GBps'] / one['median_GBps']:.2f}")
         return lines
 
     def to_json(self):
         return {"floor": self.floor, "memcpy": self.memcpy, "memcpy_all_ranks": self.memcpy_all,
-                "errors": self.errors}
+                "inplace_all_ranks": self.inplace_all, "errors": self.errors}

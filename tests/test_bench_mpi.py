@@ -75,14 +75,30 @@ def test_mpi_rows_are_right(tmp_path):
             assert row is not None, f"no {backend} row at {size} B\n{text}"
             assert row["error"] is None and row["wrong"] == 0, (row, text)
             assert row["world_size"] == 2 and row["time_us"] > 0, (row, text)
-            assert row["busbw_per_memcpy"] > 0, (row, text)
-            assert row["busbw_per_memcpy_best"] > 0, (row, text)
-            assert row["busbw_per_memcpy_all"] > 0, (row, text)
     _check_floor(doc, rows, ("ringreduce", "mpi"), text)
-    assert doc["reference"]["memcpy"]["GBps"] > 0, text
+    _check_copies(doc, text)
+
+
+def _check_copies(doc, text):
+    """--memcpy: one core's copy, every rank's copy at once and every rank's
+    in-place pass at once (the ceiling of an in-place all-reduce's busbw), and
+    each row's busbw over them."""
+    one = doc["reference"]["memcpy"]
     together = doc["reference"]["memcpy_all_ranks"]
-    assert together["GBps"] > 0 and together["ranks"] == 2, text
+    passes = doc["reference"]["inplace_all_ranks"]
+    assert one["GBps"] > 0 and together["GBps"] > 0 and together["ranks"] == 2, text
     assert "memcpy, one core per rank, all 2 at once" in text, text
+    assert passes["ranks"] == 2 and "mul_" in passes["how"], text
+    assert len(passes["times_s"]) == len(together["times_s"]) == len(one["times_s"]), text
+    for row in doc["rows"]:
+        assert row["error"] is None, (row, text)
+        for key, ref in (("busbw_per_memcpy", one), ("busbw_per_memcpy_all", together),
+                         ("busbw_per_inplace_all", passes)):
+            assert row[key] == pytest.approx(row["busbw_GBps"] / ref["median_GBps"]), (key, row)
+        assert row["busbw_per_memcpy_best"] > 0, (row, text)
+    ceiling = passes["median_GBps"] / one["median_GBps"]
+    assert f"in-place pass of all ranks at once / one core's copy, median / median): " \
+           f"{ceiling:.2f}" in text, text
 
 
 def _check_floor(doc, rows, backends, text):
@@ -110,6 +126,16 @@ def test_floor_is_measured_alternating_with_the_rows_backends(tmp_path):
     assert code == 0, text
     rows = {(r["backend"], r["size_bytes"]): r for r in doc["rows"]}
     _check_floor(doc, rows, ("ringreduce", "gloo"), text)
+
+
+@needs_ringreduce
+def test_memcpy_references_and_every_rows_ratio_to_them(tmp_path):
+    code, text, doc = _bench(["--backends", "ringreduce", "gloo", "--nproc", "2", "--ops",
+                              "allreduce", "-b", "64K", "-e", "256K", "-f", "4", "--repeats",
+                              "2", "--memcpy"], tmp_path)
+    assert code == 0, text
+    assert {r["backend"] for r in doc["rows"]} == {"ringreduce", "gloo"}, text
+    _check_copies(doc, text)
 
 
 def test_without_mpi_the_others_run_and_the_reason_shows(tmp_path):
