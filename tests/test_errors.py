@@ -777,6 +777,100 @@ def test_an_op_a_rank_timed_out_in_fails_on_the_late_peer_too(bare_worlds, shm):
     assert "rank 0" in outcomes[1] and "timed out" in outcomes[1], outcomes
 
 
+def _destroyed_before_its_own_check(ctx, mode):
+    """Remote, over TCP: both ranks finish an all_reduce's transfers and sleep
+    before its final check (confirm; rank 0 1.5 s, rank 1 3 s), and rank 0
+    destroys the group meanwhile: the op is in flight, so rank 0 aborts and
+    frames it to rank 1. mode "after_rejected": first every rank's all_reduce
+    is refused at the call after it was numbered, so the frame names that op.
+    Returns how the in-flight all_reduce ended on this rank."""
+    _init_with_shm(ctx, "0", f"ownabort{mode}", timedelta(seconds=30))
+    from torch_ringreduce import _C
+    if mode == "after_rejected":
+        _C._test_reject_after_numbering(1)
+        try:
+            refused = _outcome(lambda: dist.all_reduce(torch.ones(8)))
+        finally:
+            _C._test_reject_after_numbering(0)
+        if "rejected after numbering" not in refused:
+            return f"the numbered op was not refused: {refused}"
+    previous = _C._tcp_test_confirm_delay_ms(1500 if ctx.rank == 0 else 3000)
+    try:
+        work = dist.all_reduce(torch.ones(1024), async_op=True)
+        if ctx.rank == 0:
+            time.sleep(0.5)  # the op's transfers are done: it sleeps before its check
+            dist.destroy_process_group()
+        outcome = _outcome(work.wait)
+    finally:
+        _C._tcp_test_confirm_delay_ms(previous)
+    if ctx.rank == 1:
+        _outcome(dist.destroy_process_group)
+    return outcome
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="the guarantee is ringreduce's")
+@pytest.mark.parametrize("mode", ["plain", "after_rejected"])
+def test_an_op_a_rank_aborted_before_its_own_check_fails_there_too(bare_worlds, mode):
+    """One op, one outcome over TCP: an abort that frames an op to the peers
+    before this rank's own check of it fails it here too, as the shared-memory
+    flag does (this rank's check used to look only for the peers' frames, so
+    it completed the op rank 1 failed). A frame naming an earlier op that
+    every rank refused at the call (numbered, never confirmed) fails the op
+    in flight at the peer too (it used to be matched by equality)."""
+    outcomes = bare_worlds(2).run(_destroyed_before_its_own_check, mode, timeout=60)
+    assert outcomes[0] != "returned", f"rank 0 completed the op it aborted: {outcomes}"
+    assert outcomes[1] != "returned", f"rank 1 completed the op rank 0 aborted: {outcomes}"
+    assert "rank 0/2" in outcomes[0] and "destroy_process_group" in outcomes[0], outcomes
+    assert "rank 1/2" in outcomes[1] and "abandoned this op" in outcomes[1], outcomes
+    assert "destroy_process_group" in outcomes[1], outcomes
+
+
+def _p2p_breaks_before_a_check(ctx, shm):
+    """Remote: both ranks run an all_reduce whose final check (confirm) sleeps
+    (rank 0 2 s, rank 1 4 s); meanwhile rank 0 isends with a tag whose send
+    fails on the point-to-point engine (a test hook), which aborts rank 0's
+    group from the engine's thread. Returns how the all_reduce ended here."""
+    _init_with_shm(ctx, shm, "p2pfatal", timedelta(seconds=30))
+    from torch_ringreduce import _C
+    hook = _C._shm_test_confirm_delay_ms if shm == "1" else _C._tcp_test_confirm_delay_ms
+    previous = hook(2000 if ctx.rank == 0 else 4000)
+    try:
+        work = dist.all_reduce(torch.ones(1024), async_op=True)
+        if ctx.rank == 0:
+            time.sleep(0.5)  # the op's transfers are done: it sleeps before its check
+            _C._tcp_test_fail_send_tag(77)
+            try:
+                _outcome(dist.isend(torch.ones(8), dst=1, tag=77).wait)
+            finally:
+                _C._tcp_test_fail_send_tag(-1)
+        outcome = _outcome(work.wait)
+    finally:
+        hook(previous)
+    _outcome(dist.destroy_process_group)
+    return outcome
+
+
+@pytest.mark.skipif(backend_under_test() != "ringreduce", reason="the guarantee is ringreduce's")
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_a_broken_p2p_connection_gives_the_op_in_flight_one_outcome(bare_worlds, shm):
+    """One op, one outcome when the point-to-point engine aborts the group
+    (here an injected send failure) while an op sits between its transfers
+    and its final check: the engine first abandons the op to the peers (the
+    transport's abandonUnconfirmed, as abort() does) and only then shuts the
+    sockets down. On one host the abandon waits for the check, which the test
+    hook sleeps in under the transport's lock, so the op stands everywhere;
+    over TCP the hook sleeps before that lock, so the op fails everywhere.
+    It used to abort the mesh alone: on shared memory rank 0 failed the
+    all_reduce in its check while rank 1, which had all of rank 0's data,
+    completed it."""
+    outcomes = bare_worlds(2).run(_p2p_breaks_before_a_check, shm, timeout=60)
+    assert (outcomes[0] == "returned") == (outcomes[1] == "returned"), \
+        f"one op, two outcomes: {outcomes}"
+    for rank, outcome in enumerate(outcomes):
+        assert outcome == "returned" or (f"rank {rank}/2" in outcome
+                                         and "injected" in outcome), outcomes
+
+
 def _p2p_around_destroy(ctx):
     """Remote: rank 0 posts an irecv no one sends, then every rank destroys
     the group; rank 0 waits on that irecv, and every rank posts a send on

@@ -70,6 +70,9 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   // Shared memory with the ranks on this host, TCP with the others; the TCP
   // mesh underneath carries point-to-point and spreads failures.
   transport_ = connectGroup(store, rank, size, timeout);
+  // A broken point-to-point connection aborts the mesh from its engine: the
+  // op in flight is abandoned to the peers first, as abort() does.
+  transport_->mesh().setAbortHook([t = transport_.get()] { t->abandonUnconfirmed(); });
   // The first worker starts in create(), once it can hold a weak reference.
 }
 
@@ -256,6 +259,7 @@ void RingBackend::shutdown() {
     std::unique_lock<std::mutex> lock(mu_);
     idleCv_.wait(lock, [this] { return !running_ || tRunningOps; });
   }
+  transport_->mesh().setAbortHook(nullptr);  // waits for a call in progress
   // Closed before the workers are joined: no op runs any more, but a worker's
   // Future callback may wait for a point-to-point op that only the transport's
   // threads complete, and this may be one of those threads (a p2p callback

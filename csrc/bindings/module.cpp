@@ -13,7 +13,9 @@
 #include "common/env.h"
 #include "transport/cpu_budget.h"
 #include "transport/shm/shm_transport.h"
+#include "transport/tcp/p2p_engine.h"
 #include "transport/tcp/socket.h"
+#include "transport/tcp/tcp_transport.h"
 #include "transport/wait_policy.h"
 #include "kernels/sync_bn.h"
 #include "ops/sync_batch_norm.h"
@@ -127,6 +129,20 @@ PYBIND11_MODULE(_C, m) {
       py::arg("ms"),
       "Testing only: each shared-memory op's final check (confirm) first sleeps this long "
       "(0: not at all); returns the previous value.");
+
+  m.def(
+      "_tcp_test_confirm_delay_ms",
+      [](int64_t ms) { return ringreduce::tcp::testConfirmDelayMs().exchange(ms); },
+      py::arg("ms"),
+      "Testing only: each TCP op's final check (confirm) first sleeps this long (0: not at "
+      "all); returns the previous value.");
+
+  m.def(
+      "_tcp_test_fail_send_tag",
+      [](int64_t tag) { return ringreduce::tcp::testFailSendTag().exchange(tag); },
+      py::arg("tag"),
+      "Testing only: a point-to-point send with this tag (-1: none) fails on its engine as a "
+      "broken connection does, aborting the group; returns the previous value.");
 
   m.def(
       "_test_complete_delay_ms",

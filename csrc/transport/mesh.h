@@ -51,6 +51,12 @@ class Mesh {
   // it meanwhile (shared memory raises its segment's abort flag). One hook; an
   // empty one removes it (its owner's destructor).
   virtual void setAbandonHook(std::function<void(const OpInfo&)> hook) = 0;
+  // Runs before an abort the mesh starts itself (a broken point-to-point
+  // connection), ahead of its sockets' shutdown: the group's transport
+  // abandons its first unconfirmed op there (abandonUnconfirmed), as its own
+  // abort() does, so no peer confirms an op this rank then fails. nullptr
+  // removes it; a call in progress finishes first.
+  virtual void setAbortHook(std::function<void()> hook) = 0;
   virtual bool aborted() const = 0;
   virtual std::string abortReason() const = 0;
 

@@ -219,6 +219,22 @@ void TcpMesh::setAbandonHook(std::function<void(const OpInfo&)> hook) {
   abandonHook_ = std::move(hook);
 }
 
+void TcpMesh::setAbortHook(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(abortHookMu_);
+  abortHook_ = std::move(hook);
+}
+
+void TcpMesh::abortFromEngine(const std::string& reason) {
+  {
+    // Before the sockets go down: a frame written after them never arrives,
+    // and a peer holding all of this rank's data would confirm the op that
+    // fails here.
+    std::lock_guard<std::mutex> lock(abortHookMu_);
+    if (abortHook_ && !aborted_) abortHook_();
+  }
+  abort(reason);
+}
+
 void TcpMesh::abandon(const OpInfo& op, const std::vector<int>& midMessage) {
   if (op.kind == OpKind::kSend) return;  // point-to-point has its own numbering
   {
@@ -252,10 +268,12 @@ void TcpMesh::abandonSeq(uint64_t seq, const std::vector<int>& midMessage) {
 }
 
 void TcpMesh::abort(const std::string& reason) {
-  if (aborted_.exchange(true)) return;
   {
+    // The reason before the flag: a thread that sees aborted() reads it.
     std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_) return;
     abortReason_ = reason;
+    aborted_ = true;
   }
   if (debugEnabled()) {
     fprintf(stderr, "%s aborting: %s\n", rankPrefix(rank_, size_).c_str(), reason.c_str());

@@ -61,6 +61,7 @@ class TcpMesh : public Mesh {
   bool hungUp(int peer) override;
   void abort(const std::string& reason) override;
   void setAbandonHook(std::function<void(const OpInfo&)> hook) override;
+  void setAbortHook(std::function<void()> hook) override;
   bool aborted() const override { return aborted_; }
   std::string abortReason() const override;
   void publishRejected(uint64_t seq, const std::string& message) override;
@@ -96,6 +97,11 @@ class TcpMesh : public Mesh {
   // abort(), an error inside an op), so a peer that finished its transfers
   // fails that op in confirm() as this rank does.
   void abandonSeq(uint64_t seq, const std::vector<int>& midMessage = {});
+  // The op this rank last wrote abort frames for (0: none): it and every
+  // later op fail here too (confirm), as they do at the peers.
+  uint64_t abandonedSeq() const { return abandonedSeq_.load(); }
+  // The point-to-point engine's fatal error: the abort hook, then abort().
+  void abortFromEngine(const std::string& reason);
   // Stops the threads and closes every connection (idempotent).
   void close();
 
@@ -162,6 +168,10 @@ class TcpMesh : public Mesh {
   std::atomic<bool> aborted_{false};
   std::mutex hookMu_;
   std::function<void(const OpInfo&)> abandonHook_;  // guarded by hookMu_
+  // Its own lock: the hook takes the transport's confirm lock, under which
+  // confirm() may fail an op and so take hookMu_.
+  std::mutex abortHookMu_;
+  std::function<void()> abortHook_;  // guarded by abortHookMu_
   std::atomic<bool> closed_{false};
   std::string abortReason_;  // guarded by mu_
   // Refusals: the last kKeptRefusals lines, the count, and the log's rate

@@ -13,8 +13,11 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "transport/tcp/p2p_engine.h"
 
@@ -207,9 +210,17 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
   }
 }
 
+std::atomic<int64_t>& testConfirmDelayMs() {
+  static std::atomic<int64_t> ms{0};
+  return ms;
+}
+
 void TcpTransport::confirm(const OpInfo& op) {
   TcpMesh& mesh = *mesh_;
   if (mesh.size() == 1) return;
+  if (const int64_t ms = testConfirmDelayMs().load(std::memory_order_relaxed)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  }
   std::lock_guard<std::mutex> lock(confirmMu_);
   confirmOpen(op);
   confirmed_ = op.ctx.seq;
@@ -217,6 +228,14 @@ void TcpTransport::confirm(const OpInfo& op) {
 
 void TcpTransport::confirmOpen(const OpInfo& op) {
   TcpMesh& mesh = *mesh_;
+  // This rank told its peers it abandons this op or an earlier one (an abort
+  // on another thread came before this check): it fails here too.
+  const uint64_t framed = mesh.abandonedSeq();
+  if (framed != 0 && framed <= op.ctx.seq) {
+    const std::string reason = mesh.abortReason();
+    throwTransportError(
+        unusable(op, reason.empty() ? "this rank is aborting the group" : reason));
+  }
   std::vector<pollfd> pfds;
   std::vector<int> peerOf;
   for (int peer = 0; peer < mesh.size(); ++peer) {
@@ -230,7 +249,10 @@ void TcpTransport::confirmOpen(const OpInfo& op) {
     WireHeader h{};
     ssize_t r = ::recv(pfds[i].fd, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
     if (r == static_cast<ssize_t>(sizeof(h)) && h.magic == kWireMagic &&
-        h.kind == static_cast<uint8_t>(OpKind::kAbort) && h.seq == op.ctx.seq) {
+        h.kind == static_cast<uint8_t>(OpKind::kAbort) && h.seq <= op.ctx.seq) {
+      // The frame names the first op the peer did not confirm: this one, or
+      // an earlier one every rank rejected at the call (numbered, never
+      // confirmed). The peer fails every op from it on.
       mesh.awaitPeerError();  // the peer publishes its error after the frame
       mesh.fail(op, peerOf[i],
                 "the peer abandoned this op (it timed out or failed in it) after this "

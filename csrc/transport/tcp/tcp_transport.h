@@ -6,6 +6,8 @@
 
 #include <poll.h>
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -16,6 +18,9 @@
 
 namespace ringreduce {
 namespace tcp {
+
+// Testing only: confirm() sleeps this long (ms) before its check.
+std::atomic<int64_t>& testConfirmDelayMs();
 
 class TcpTransport : public Transport {
  public:
