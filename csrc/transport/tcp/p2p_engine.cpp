@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <c10/util/Logging.h>
+#include <c10/util/ScopeExit.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -29,6 +30,8 @@
 namespace ringreduce {
 namespace tcp {
 namespace {
+
+thread_local bool tInFatal = false;  // this thread runs onFatal_ (stop() must not wait for it)
 
 bool retryable() {
   return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
@@ -133,6 +136,14 @@ void P2PEngine::stop() {
   }
   turnCv_.notify_all();
   wake();
+  if (fromCallback && !tInFatal) {
+    // The threads are let go below, and the owner goes once this returns:
+    // an onFatal_ still running on another thread (the mesh's abort, bounded
+    // by its store budget and the confirm lock) finishes first. Bounded
+    // anyway: never a hang.
+    std::unique_lock<std::mutex> lock(mu_);
+    fatalCv_.wait_for(lock, std::chrono::seconds(10), [this] { return fatalInFlight_ == 0; });
+  }
   for (auto& [cb, args] : orphans) cb(args.first, args.second);
   // Joined until none is left: one blocked in a callback may start another.
   while (true) {
@@ -515,10 +526,16 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
       std::lock_guard<std::mutex> lock(mu_);
       stopping = stopping_;  // a callback may have stopped the engine: the owner may be gone
       enterCallbacksLocked();  // onFatal_ fails the transport's ops: callbacks run here
+      if (!stopping) ++fatalInFlight_;
     }
-    if (onFatal_ && !stopping) onFatal_(fatalReason);
+    if (onFatal_ && !stopping) {
+      tInFatal = true;
+      auto reset = c10::make_scope_exit([] { tInFatal = false; });
+      onFatal_(fatalReason);
+    }
     fatalReason.clear();
     std::lock_guard<std::mutex> lock(mu_);
+    if (!stopping && --fatalInFlight_ == 0) fatalCv_.notify_all();
     --inCallbacks_;
     for (auto& c : held) ready_.push_back(std::move(c));
     held.clear();

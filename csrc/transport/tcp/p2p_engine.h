@@ -175,6 +175,10 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   size_t live_ = 0;                   // threads started and not yet out of loop()
   bool detachNew_ = false;            // stop() from a callback let them go
   size_t inCallbacks_ = 0;            // threads running completions
+  // onFatal_ calls in progress: it works on the engine's owner (the mesh),
+  // which stop() from a callback must not let go of meanwhile.
+  size_t fatalInFlight_ = 0;
+  std::condition_variable fatalCv_;
   bool polling_ = false;              // a thread polls (or reads and writes)
   size_t waiting_ = 0;                // threads waiting for their turn to poll
   std::condition_variable turnCv_;

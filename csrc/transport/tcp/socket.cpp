@@ -224,7 +224,9 @@ void setNoDelay(int fd) {
 
 int millisUntil(Clock::time_point deadline) {
   auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return ms <= 0 ? 0 : (ms > INT_MAX ? INT_MAX : static_cast<int>(ms));
+  // One below INT_MAX: callers add 1 to round up, and a group timeout of
+  // 25 days or more must not wrap to a negative (infinite) poll timeout.
+  return ms <= 0 ? 0 : (ms >= INT_MAX ? INT_MAX - 1 : static_cast<int>(ms));
 }
 
 namespace {

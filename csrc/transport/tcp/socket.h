@@ -39,7 +39,7 @@ void setNoDelay(int fd);
 std::string readFully(int fd, void* buf, size_t n, Clock::time_point deadline);
 std::string writeFully(int fd, const void* buf, size_t n, Clock::time_point deadline);
 
-// Milliseconds until the deadline, clamped to [0, INT_MAX].
+// Milliseconds until the deadline, clamped to [0, INT_MAX - 1].
 int millisUntil(Clock::time_point deadline);
 
 }  // namespace tcp
