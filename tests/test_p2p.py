@@ -201,3 +201,45 @@ def test_a_peer_that_left_fails_only_what_it_was_to_send(worlds):
         assert err is not None, f"{key}: the receive completed: {received}"
         assert err["is_dist_backend_error"] and who in err["msg"], err
         assert err["elapsed_s"] < 2, err
+
+
+def _leaves_holding_an_unread_message(ctx, count):
+    """Remote, 2 ranks, a fresh group: rank 1 sends rank 0 a message that rank
+    0 never receives; rank 0 isends `count` floats to rank 1, which posts no
+    receive yet, and leaves the group once the isend completed (its bytes in
+    the two sockets' buffers, the tail unacknowledged). Then rank 1 receives
+    them. Returns rank 1's outcome."""
+    from _outcomes import attempt
+
+    group = dist.new_group()
+    dist.barrier(group=group)
+    out = {}
+    expected = torch.arange(count, dtype=torch.float32)
+    if ctx.rank == 1:
+        unmatched = dist.isend(torch.ones(4), dst=0, tag=9, group=group)
+    dist.barrier(group=ctx.oracle)
+    if ctx.rank == 0:
+        time.sleep(0.2)  # rank 1's message is in this rank's socket, unread
+        dist.isend(expected, dst=1, tag=1, group=group).wait()
+        dist.destroy_process_group(group)
+    dist.barrier(group=ctx.oracle)  # rank 0 left
+    if ctx.rank == 1:
+        received = torch.zeros(count)
+        out["recv"] = attempt(lambda: dist.recv(received, src=0, tag=1, group=group))
+        out["equal"] = torch.equal(received, expected)
+        unmatched.wait()
+        dist.destroy_process_group(group)
+    dist.barrier(group=ctx.oracle)
+    return out
+
+
+def test_leaving_with_an_unread_message_delivers_what_was_sent(worlds):
+    """A rank that left right after its isend completed, while a message it
+    never received sat in its socket: closing a socket with unread bytes
+    resets the connection, and the kernel dropped what of that isend the
+    peer had not yet taken, so the receive failed (connection reset) although
+    the sender's isend had succeeded. Unread bytes are now read away first."""
+    for count in (16 << 10, 64 << 10):
+        out = worlds.run(2, _leaves_holding_an_unread_message, count, timeout=60)[1]
+        assert out["recv"] is None, (count, out)
+        assert out["equal"], (count, out)

@@ -317,6 +317,25 @@ std::string TcpMesh::abortReason() const {
   return abortReason_;
 }
 
+namespace {
+
+// Reads and drops what the socket holds, without blocking; at most 64 MiB, so
+// a peer still sending cannot hold the close up.
+void discardUnread(int fd, std::vector<char>& sink) {
+  for (size_t dropped = 0; dropped < (size_t{64} << 20);) {
+    const ssize_t r = ::recv(fd, sink.data(), sink.size(), MSG_DONTWAIT);
+    if (r > 0) {
+      dropped += static_cast<size_t>(r);
+    } else if (r < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return;  // drained (EAGAIN), at its end, or broken
+    }
+  }
+}
+
+}  // namespace
+
 void TcpMesh::close() {
   if (closed_.exchange(true)) return;
   if (wakePipe_[1] >= 0) {
@@ -334,9 +353,16 @@ void TcpMesh::close() {
   }
   if (acceptThread_.joinable()) acceptThread_.join();
   std::lock_guard<std::mutex> lock(mu_);
+  std::vector<char> sink(aborted_ ? 0 : 64 << 10);
   for (auto& channel : fds_) {
     for (int& fd : channel) {
-      if (fd >= 0) ::close(fd);
+      if (fd < 0) continue;
+      // Closing a socket that holds unread bytes (a message this rank never
+      // received, a farewell) resets the connection, and the peer's kernel
+      // then drops what it holds of this rank's last messages unread: a
+      // send that completed here would fail there. Read them away first.
+      if (!sink.empty()) discardUnread(fd, sink);
+      ::close(fd);
       fd = -1;
     }
   }
