@@ -15,6 +15,7 @@
 // owner.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -23,7 +24,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <atomic>
 #include <thread>
 #include <vector>
 
