@@ -166,7 +166,8 @@ void TcpMesh::connectMesh(std::chrono::milliseconds timeout) {
     // Inside the try: an engine that cannot start (no fd for its pipe, no
     // thread) must not leave the accept thread running (std::terminate).
     p2p_ = P2PEngine::start(
-        rank_, size_, fds_[kP2P], peerAddr_, [this](const std::string& why) { abortFromEngine(why); },
+        rank_, size_, fds_[kP2P], peerAddr_,
+        [this](const std::string& why) { abortFromEngine(why); },
         [this](const std::string& why) { return groupCause(why); });
   } catch (...) {
     close();
