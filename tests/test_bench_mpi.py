@@ -97,7 +97,7 @@ def _check_copies(doc, text):
             assert row[key] == pytest.approx(row["busbw_GBps"] / ref["median_GBps"]), (key, row)
         assert row["busbw_per_memcpy_best"] > 0, (row, text)
     ceiling = passes["median_GBps"] / one["median_GBps"]
-    assert f"in-place pass of all ranks at once / one core's copy, median / median): " \
+    assert "in-place pass of all ranks at once / one core's copy, median / median): " \
            f"{ceiling:.2f}" in text, text
 
 
