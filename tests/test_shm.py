@@ -160,6 +160,53 @@ def test_ring_stores_move_exact_bytes(worlds, world_size):
         assert failures == [], f"rank {rank}: {failures}"
 
 
+def _stores_follow_measurement(ctx):
+    """All-gathers of 64 KiB per rank (every rank sends 64 KiB) on a new group whose
+    measured op times (_shm_test_store_penalty_us) make one kind of ring store slow:
+    how many ops chose each kind while it sampled, and after, per slow kind."""
+    from torch_ringreduce import _C
+
+    rank, n = ctx.rank, ctx.world_size
+    samples = 2 * 9  # RingStoreChooser::kSamples of each
+    chose, failures = {}, []
+    for slow in ("streaming", "plain"):
+        old = _C._shm_test_store_penalty_us(*((0, 1e6) if slow == "streaming" else (1e6, 0)))
+        try:
+            group = dist.new_group(backend="ringreduce")
+            fits = group._get_backend(CPU).wait_policy()["ranks_fit_cpus"]
+            counts = [_C._shm_test_store_counts()]
+            for phase in (samples, 20):
+                for i in range(phase):
+                    ins = torch.full((16_384,), float(rank * 1000 + i))
+                    outs = [torch.empty(16_384) for _ in range(n)]
+                    dist.all_gather(outs, ins, group=group)
+                    for r in range(n):
+                        if not torch.equal(outs[r], torch.full((16_384,), float(r * 1000 + i))):
+                            failures.append(f"{slow} slow, op {i}: rank {r}'s block differs")
+                counts.append(_C._shm_test_store_counts())
+        finally:
+            _C._shm_test_store_penalty_us(*old)
+        dist.destroy_process_group(group)
+        chose[slow] = [tuple(b - a for a, b in zip(counts[k], counts[k + 1])) for k in (0, 1)]
+    return fits, chose, failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_stores_follow_the_measured_op_times(worlds, world_size):
+    """Where a host's ranks fit its cores, each rank times its first ops of each kind
+    and size with both kinds of ring store, nine of each, then keeps the faster: here
+    the one not made slow. Where they do not fit, every op takes plain stores."""
+    for rank, (fits, chose, failures) in enumerate(worlds.run(world_size,
+                                                             _stores_follow_measurement)):
+        assert failures == [], f"rank {rank}: {failures}"
+        if not fits:
+            assert chose == {"streaming": [(0, 0), (0, 0)], "plain": [(0, 0), (0, 0)]}
+            continue
+        # (plain, streaming) ops: while sampling, then once chosen
+        assert chose["streaming"] == [(9, 9), (20, 0)], f"rank {rank}: {chose}"
+        assert chose["plain"] == [(9, 9), (0, 20)], f"rank {rank}: {chose}"
+
+
 FOLD_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8,
                torch.complex128]
 FOLD_COUNTS = [1, 3, 1_023, 4_099, 16_411]

@@ -120,8 +120,30 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("mode"),
       "Testing and benchmarks only: how shared-memory groups created from now on copy into "
-      "their rings: -1 as the host's ranks and cores say (the default), 0 plain stores, "
-      "1 streaming (non-temporal) stores. Returns the previous value.");
+      "their rings: -1 as the host's ranks and cores say (the default: chosen per op by "
+      "measurement when they fit the cores, else plain), 0 plain stores, 1 streaming "
+      "(non-temporal) stores. Returns the previous value.");
+
+  m.def(
+      "_shm_test_store_penalty_us",
+      [](double plain, double streaming) {
+        auto& p = ringreduce::shm::hooks().storePenaltyUs;
+        const std::array<double, 2> old = p;
+        p = {plain, streaming};
+        return py::make_tuple(old[0], old[1]);
+      },
+      py::arg("plain"), py::arg("streaming"),
+      "Testing only: microseconds added to each measured op time of plain and of streaming "
+      "ring stores, where shared-memory groups choose between them by measurement; returns "
+      "the previous pair.");
+  m.def(
+      "_shm_test_store_counts",
+      [] {
+        auto& c = ringreduce::shm::hooks().storeCounts;
+        return py::make_tuple(c[0].load(), c[1].load());
+      },
+      "Testing only: how many shared-memory ops of this process chose plain and streaming "
+      "ring stores for their messages of 16 KiB and more.");
 
   m.def(
       "_shm_test_confirm_delay_ms",

@@ -118,13 +118,13 @@ void futexWake(std::atomic<uint32_t>* word);
 // `streaming` (x86-64): whole 64-byte lines with non-temporal stores, then a
 // store fence, so the bytes are visible before the caller publishes `head`.
 // A plain store must first take the line back from the consumer's cache,
-// where it read the ring's last lap; with every rank on its own core that
-// transfer dominated the copy of large messages (2 ranks: broadcast 1.2-2.1x
-// faster from 1 MiB, the 64 KiB all-reduce 1.6-1.8x; docs/DESIGN.md). Below
-// kStreamingMinBytes a message streams no faster (its consumer then reads it
-// from memory instead of the producer's cache), and with more ranks on the
-// host than cores a consumer often runs next on the producer's own core,
-// where plain stores leave the bytes in its caches: there streaming is off.
+// where it read the ring's last lap, but leaves the bytes in the producer's
+// cache; a streamed line skips that transfer and the consumer reads it from
+// memory. Which wins depends on the machine (ring_stores.h measures it per
+// op). Below kStreamingMinBytes a message streams no faster, and with more
+// ranks on the host than cores a consumer often runs next on the producer's
+// own core, where plain stores leave the bytes in its caches: there every
+// message takes plain stores.
 constexpr size_t kStreamingMinBytes = 16 << 10;
 void copyIntoRing(char* dst, const char* src, size_t n, bool streaming);
 
@@ -169,10 +169,11 @@ class PeerWait {
 
 // shm_transport.cpp: the transport over a mapped segment (it unmaps it);
 // point-to-point goes to `p2p`.
-// `streaming`: whether copies into rings use copyIntoRing's streaming stores.
+// `stores`: how copies into rings store (copyIntoRing).
+enum class RingStores { kPlain, kStreaming, kMeasured };
 std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology,
                                             Members members, void* base, const Layout& layout,
-                                            bool streaming);
+                                            RingStores stores);
 // shm_direct.cpp: the segment's staging areas as SharedBuffers.
 std::unique_ptr<SharedBuffers> makeSharedBuffers(Mesh& mesh, Segment& seg,
                                                  const Members& members);

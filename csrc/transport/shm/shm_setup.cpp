@@ -219,16 +219,19 @@ std::unique_ptr<Transport> attach(Mesh& mesh, Transport& p2p, const Topology& to
     return nullptr;
   }
   if (base == nullptr) return nullptr;  // alone on this host
-  const bool streaming = hooks().ringStores < 0 ? mesh.waitPolicy().ranksFitCores()
-                                                : hooks().ringStores == 1;
+  const RingStores stores = hooks().ringStores == 1 ? RingStores::kStreaming
+                            : hooks().ringStores == 0 || !mesh.waitPolicy().ranksFitCores()
+                                ? RingStores::kPlain
+                                : RingStores::kMeasured;
+  static const char* const kStoreNames[] = {"plain", "streaming", "measured"};
   if (debugEnabled()) {
     fprintf(stderr,
             "%s shared memory with %d rank(s) of this host: %zu bytes, %lld-byte rings "
             "(%s stores), %lld-byte staging areas\n",
             prefix.c_str(), members.size(), bytes, static_cast<long long>(ringBytes),
-            streaming ? "streaming" : "plain", static_cast<long long>(stagingBytes));
+            kStoreNames[static_cast<int>(stores)], static_cast<long long>(stagingBytes));
   }
-  return makeShmTransport(mesh, p2p, topology, std::move(members), base, layout, streaming);
+  return makeShmTransport(mesh, p2p, topology, std::move(members), base, layout, stores);
 }
 
 }  // namespace shm

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "transport/shm/ring_stores.h"
 #include "transport/shm/shm_segment.h"
 
 namespace ringreduce {
@@ -22,10 +23,10 @@ using RecvState = RecvProgress;
 class ShmTransport : public Transport {
  public:
   ShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology, Members members,
-               void* base, const Layout& layout, bool streaming)
+               void* base, const Layout& layout, RingStores stores)
       : mesh_(mesh), p2p_(p2p), topology_(topology), members_(std::move(members)),
         rank_(members_.me), size_(layout.size), base_(base), seg_(base, layout),
-        ringBytes_(layout.ringBytes), streaming_(streaming) {
+        ringBytes_(layout.ringBytes), stores_(stores) {
     shared_ = makeSharedBuffers(mesh_, seg_, members_);
     // A failing op raises the flag before the mesh looks up and publishes
     // the error (about a second at worst), so no peer confirms it meanwhile.
@@ -63,6 +64,11 @@ class ShmTransport : public Transport {
     std::lock_guard<std::mutex> lock(confirmMu_);
     throwIfAborted(mesh_, seg_, op);
     confirmed_ = op.ctx.seq;
+    if (sampling_ && op.ctx.seq == opSeq_) {
+      const double us = std::chrono::duration<double, std::micro>(Clock::now() - opStart_).count();
+      chooser_.record(opKind_, opBytes_, opStreams_, us + hooks().storePenaltyUs[opStreams_]);
+    }
+    sampling_ = false;
   }
 
   // The flag names the first op this rank did not confirm: a peer still
@@ -90,8 +96,29 @@ class ShmTransport : public Transport {
   SharedBuffers* sharedBuffers() override { return shared_.get(); }
 
  private:
-  // Copies as much of the message as the ring to s.peer has room for.
   int local(int peer) const { return members_.local[peer]; }
+
+  // At an op's first exchange, starts its clock; at the first exchange with a
+  // message that may stream, chooses the op's stores (ring_stores.h).
+  void chooseStores(const OpInfo& op, const std::vector<SendSpec>& sends) {
+    if (op.ctx.seq != opSeq_) {
+      opSeq_ = op.ctx.seq;
+      opStart_ = Clock::now();
+      opChosen_ = sampling_ = opStreams_ = false;
+    }
+    if (opChosen_ || stores_ == RingStores::kPlain) return;
+    size_t largest = 0;
+    for (const auto& s : sends) largest = std::max(largest, s.bytes);
+    if (largest < kStreamingMinBytes) return;
+    opChosen_ = true;
+    opKind_ = static_cast<uint8_t>(op.kind);
+    opBytes_ = largest;
+    opStreams_ = stores_ == RingStores::kStreaming ||
+                 chooser_.streaming(opKind_, largest, &sampling_);
+    hooks().storeCounts[opStreams_].fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // Copies as much of the message as the ring to s.peer has room for.
 
   bool progressSend(SendState& s) {
     const int to = local(s.spec->peer);
@@ -101,7 +128,7 @@ class ShmTransport : public Transport {
     const size_t n = std::min<size_t>(room, s.total() - s.done);
     if (n == 0) return false;
     char* ringBase = seg_.ringData(rank_, to);
-    const bool streaming = streaming_ && s.spec->bytes >= kStreamingMinBytes;
+    const bool streaming = opStreams_ && s.spec->bytes >= kStreamingMinBytes;
     for (size_t written = 0; written < n;) {
       const size_t at = (head + written) % ringBytes_;
       size_t piece = std::min(n - written, ringBytes_ - at);
@@ -200,7 +227,14 @@ class ShmTransport : public Transport {
   void* base_;
   Segment seg_;
   const size_t ringBytes_;
-  const bool streaming_;
+  const RingStores stores_;
+  RingStoreChooser chooser_;
+  // The op in flight (its seq), when its first exchange began, and its stores.
+  uint64_t opSeq_ = 0;
+  Clock::time_point opStart_;
+  bool opChosen_ = false, opStreams_ = false, sampling_ = false;
+  uint8_t opKind_ = 0;
+  size_t opBytes_ = 0;
   std::unique_ptr<SharedBuffers> shared_;
   std::mutex confirmMu_;     // confirm() and abort() may run on different threads
   uint64_t confirmed_ = 0;  // guarded by confirmMu_: the seq of the last op confirmed here
@@ -209,6 +243,7 @@ class ShmTransport : public Transport {
 void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
                             std::vector<RecvSpec>& recvs) {
   throwIfAborted(mesh_, seg_, op);
+  chooseStores(op, sends);
   std::vector<SendState> ss;
   std::vector<RecvState> rs;
   startProgress(op, sends, recvs, &ss, &rs);
@@ -250,9 +285,9 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
 
 std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology,
                                             Members members, void* base, const Layout& layout,
-                                            bool streaming) {
+                                            RingStores stores) {
   return std::make_unique<ShmTransport>(mesh, p2p, topology, std::move(members), base, layout,
-                                        streaming);
+                                        stores);
 }
 
 }  // namespace shm

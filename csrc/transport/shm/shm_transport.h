@@ -25,6 +25,8 @@
 // shuts the sockets).
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <memory>
 
@@ -41,8 +43,13 @@ struct ShmTestHooks {
   // from now on (0: the default); every rank must set the same.
   int64_t stagingBytes = 0;
   // How copies into rings store in groups created from now on: -1 as the
-  // host's ranks and cores say (copyIntoRing), 0 plain stores, 1 streaming.
+  // host's ranks and cores say (measured per op when they fit the cores,
+  // else plain: copyIntoRing), 0 plain stores, 1 streaming.
   int ringStores = -1;
+  // Added to each measured op time of plain [0] and streaming [1] stores
+  // (ring_stores.h), and how many ops chose each since the process began.
+  std::array<double, 2> storePenaltyUs{};
+  std::array<std::atomic<uint64_t>, 2> storeCounts{};
   // confirm() sleeps this long before its check: widens the window between
   // an op's last transfer and its final check (the abort-flag tests).
   int64_t confirmDelayMs = 0;

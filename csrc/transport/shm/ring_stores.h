@@ -1,0 +1,91 @@
+// Which stores copy a message into a ring, chosen by measurement.
+//
+// Streaming (non-temporal) stores skip taking each ring line back from the
+// consumer's cache, but the consumer then reads the bytes from memory; plain
+// stores leave them in the producer's cache. Which is faster depends on the
+// machine (how far apart its cores' caches are) and on the op: one VM
+// measured streaming 1.6-2.2x faster for 2-rank broadcasts, a later one plain
+// 1.3-3x faster for the same ones (docs/DESIGN.md, "Writing the rings").
+//
+// So each producer measures. Per kind of op and size class (the exchange's
+// largest message, by powers of two) it alternates the two kinds for the
+// first kSamples exchanges of each, keeps the one with the lower median
+// exchange time, and samples both again after kRecheckAfter exchanges in
+// that class, so a machine whose load changes is followed. The choice is the
+// producer's alone: the consumer reads ring bytes the same way either way
+// (the streaming copy fences before it publishes), so ranks that chose
+// differently still exchange exact bytes; only speed is at stake. Ranks of a
+// symmetric op alternate in step (the same exchanges in the same order), so a
+// sample times both ends with the same stores.
+//
+// Not thread-safe: the backend's one op at a time drives a transport.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+
+namespace ringreduce {
+namespace shm {
+
+class RingStoreChooser {
+ public:
+  static constexpr int kSamples = 9;                // per kind of store, per round of sampling
+  static constexpr uint32_t kRecheckAfter = 2048;  // exchanges on the choice before sampling again
+
+  // Whether the next exchange of kind `kind` whose largest message is `bytes`
+  // streams; `*sample` says whether record() wants its time.
+  bool streaming(uint8_t kind, size_t bytes, bool* sample) {
+    Entry& e = table_[key(kind, bytes)];
+    if (e.choice >= 0) {
+      if (++e.sinceChoice <= kRecheckAfter) {
+        *sample = false;
+        return e.choice == 1;
+      }
+      e = Entry{};
+    }
+    *sample = true;
+    int mode = static_cast<int>(e.turns++ & 1);
+    if (e.count[mode] == kSamples) mode ^= 1;
+    return mode == 1;
+  }
+
+  // The time of an exchange that streaming() asked to sample.
+  void record(uint8_t kind, size_t bytes, bool streamed, double us) {
+    Entry& e = table_[key(kind, bytes)];
+    const int mode = streamed ? 1 : 0;
+    if (e.choice >= 0 || e.count[mode] == kSamples) return;
+    e.us[mode][e.count[mode]++] = static_cast<float>(us);
+    if (e.count[0] == kSamples && e.count[1] == kSamples) {
+      e.choice = median(e.us[1]) < median(e.us[0]) ? 1 : 0;
+      e.sinceChoice = 0;
+    }
+  }
+
+ private:
+  struct Entry {
+    std::array<std::array<float, kSamples>, 2> us{};  // [plain, streaming]
+    std::array<int, 2> count{};
+    uint32_t turns = 0;
+    uint32_t sinceChoice = 0;
+    int choice = -1;  // -1 sampling, 0 plain, 1 streaming
+  };
+
+  static uint32_t key(uint8_t kind, size_t bytes) {
+    uint32_t log2 = 0;
+    while (log2 < 63 && (size_t{2} << log2) <= bytes) ++log2;
+    return static_cast<uint32_t>(kind) << 8 | log2;
+  }
+
+  static float median(std::array<float, kSamples> v) {
+    std::nth_element(v.begin(), v.begin() + kSamples / 2, v.end());
+    return v[kSamples / 2];
+  }
+
+  std::unordered_map<uint32_t, Entry> table_;
+};
+
+}  // namespace shm
+}  // namespace ringreduce
