@@ -128,9 +128,7 @@ PYBIND11_MODULE(_C, m) {
       "_shm_test_store_penalty_us",
       [](double plain, double streaming) {
         auto& p = ringreduce::shm::hooks().storePenaltyUs;
-        const std::array<double, 2> old = p;
-        p = {plain, streaming};
-        return py::make_tuple(old[0], old[1]);
+        return py::make_tuple(p[0].exchange(plain), p[1].exchange(streaming));
       },
       py::arg("plain"), py::arg("streaming"),
       "Testing only: microseconds added to each measured op time of plain and of streaming "

@@ -65,8 +65,9 @@ class ShmTransport : public Transport {
     throwIfAborted(mesh_, seg_, op);
     confirmed_ = op.ctx.seq;
     if (sampling_ && op.ctx.seq == opSeq_) {
-      const double us = std::chrono::duration<double, std::micro>(Clock::now() - opStart_).count();
-      chooser_.record(opKind_, opBytes_, opStreams_, us + hooks().storePenaltyUs[opStreams_]);
+      const double us = std::chrono::duration<double, std::micro>(Clock::now() - opStart_).count() +
+                        hooks().storePenaltyUs[opStreams_].load(std::memory_order_relaxed);
+      chooser_.record(opKind_, opBytes_, opStreams_, us);
     }
     sampling_ = false;
   }

@@ -48,7 +48,7 @@ struct ShmTestHooks {
   int ringStores = -1;
   // Added to each measured op time of plain [0] and streaming [1] stores
   // (ring_stores.h), and how many ops chose each since the process began.
-  std::array<double, 2> storePenaltyUs{};
+  std::array<std::atomic<double>, 2> storePenaltyUs{};
   std::array<std::atomic<uint64_t>, 2> storeCounts{};
   // confirm() sleeps this long before its check: widens the window between
   // an op's last transfer and its final check (the abort-flag tests).
