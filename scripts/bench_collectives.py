@@ -163,7 +163,8 @@ def new_group(name, timeout):
     (RINGREDUCE_ALLREDUCE while the group is created; "auto" the backend's
     choice), the two-step all-reduce's staging areas (e.g. @256K), and how its
     shared-memory rings are written (+plain or +streaming stores; by default
-    streaming when the host's ranks fit the CPUs they may use)."""
+    each rank measures which is faster, per op and size, when the host's ranks
+    fit the CPUs they may use, and takes plain stores when they do not)."""
     backend, _, spec = name.partition(":")
     if not spec:
         return dist.new_group(backend=backend, timeout=timeout)
