@@ -40,6 +40,7 @@ class ShmSharedBuffers : public SharedBuffers {
   size_t stagingBytes() const override { return seg_.layout().stagingBytes; }
 
   uint64_t beginRound(const OpInfo& op) override {
+    announceOp(seg_, rank_, op);
     const uint64_t round = ++round_;
     awaitFlags(op, Flag::kStaged, round - 1, "finish its previous round");
     return round;
@@ -145,7 +146,7 @@ class ShmSharedBuffers : public SharedBuffers {
   // should be doing is `doing`, for the timeout's message).
   void awaitFlags(const OpInfo& op, Flag which, uint64_t round, const std::string& doing) {
     if (behind(which, round) == 0) return;
-    PeerWait wait(mesh_, seg_, rank_, op);
+    PeerWait wait(mesh_, seg_, rank_, members_.local, op);
     int left = size_;  // peers still behind after the last pass
     const std::function<bool()> ready = [&] {
       return firstSender() >= 0 || behind(which, round) == 0;

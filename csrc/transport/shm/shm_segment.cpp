@@ -1,6 +1,9 @@
 // The segment layout and the wait policy (see shm_segment.h).
 #include "transport/shm/shm_segment.h"
 
+#include <cstddef>
+#include <iterator>
+
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -57,7 +60,8 @@ Layout Layout::of(int size, size_t ringBytes, size_t stagingBytes) {
   l.controls = l.bells + roundUp(sizeof(Doorbell) * n, 64);
   l.rings = l.controls + sizeof(RingControl) * n * n;
   l.flags = roundUp(l.rings + ringBytes * n * n, 64);
-  l.slots = l.flags + sizeof(StageFlags) * n;
+  l.ops = l.flags + sizeof(StageFlags) * n;
+  l.slots = l.ops + sizeof(OpSlot) * n;
   l.total = l.slots + 2 * n * l.slotBytes();
   return l;
 }
@@ -117,8 +121,42 @@ void throwIfAborted(Mesh& mesh, Segment& seg, const OpInfo& op) {
   }
 }
 
-PeerWait::PeerWait(Mesh& mesh, Segment& seg, int local, const OpInfo& op)
-    : mesh_(mesh), seg_(seg), mine_(seg.bell(local)), op_(op), idleSince_(Clock::now()) {}
+void announceOp(Segment& seg, int local, const OpInfo& op) {
+  OpSlot& slot = seg.opSlot(local);
+  if (slot.words[offsetof(WireHeader, seq) / 8].load(std::memory_order_relaxed) == op.ctx.seq) {
+    return;  // only this rank writes its slot
+  }
+  SendSpec none{-1, nullptr, 0, 0};
+  const WireHeader h = messageHeader(op, none);
+  uint64_t words[sizeof(WireHeader) / 8];
+  std::memcpy(words, &h, sizeof(h));
+  const uint64_t v = slot.version.load(std::memory_order_relaxed);
+  slot.version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  for (size_t i = 0; i < std::size(words); ++i) {
+    slot.words[i].store(words[i], std::memory_order_relaxed);
+  }
+  slot.version.store(v + 2, std::memory_order_release);
+}
+
+bool announcedOp(Segment& seg, int local, WireHeader* out) {
+  OpSlot& slot = seg.opSlot(local);
+  const uint64_t before = slot.version.load(std::memory_order_acquire);
+  if (before == 0 || before % 2 == 1) return false;
+  uint64_t words[sizeof(WireHeader) / 8];
+  for (size_t i = 0; i < std::size(words); ++i) {
+    words[i] = slot.words[i].load(std::memory_order_relaxed);
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (slot.version.load(std::memory_order_relaxed) != before) return false;
+  std::memcpy(out, words, sizeof(*out));
+  return true;
+}
+
+PeerWait::PeerWait(Mesh& mesh, Segment& seg, int local, const std::vector<int>& localOf,
+                   const OpInfo& op)
+    : mesh_(mesh), seg_(seg), mine_(seg.bell(local)), localOf_(localOf), op_(op),
+      idleSince_(Clock::now()) {}
 
 void PeerWait::moved() {
   idleSince_ = Clock::now();
@@ -167,6 +205,16 @@ void PeerWait::idle(const std::function<bool()>& ready,
   // one that got all it needed from us may legitimately be gone already.
   peers_.clear();
   waitingOn(peers_);
+  // A peer that runs another op as this one's number never sends what this
+  // rank waits for (or never takes what it sends): its slot says so.
+  for (int peer : peers_) {
+    WireHeader h;
+    const int local = localOf_[peer];
+    if (local < 0 || !announcedOp(seg_, local, &h) || h.seq != op_.ctx.seq) continue;
+    const RecvSpec spec{peer, nullptr, h.bytes, h.step, {}};
+    const std::string err = headerMismatch(op_, spec, h);
+    if (!err.empty()) mesh_.failOp(op_, peer, err + " (the op the peer announced in shared memory)");
+  }
   gone_ = mesh_.closedPeer(peers_);
 }
 

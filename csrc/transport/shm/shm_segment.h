@@ -3,9 +3,10 @@
 // (shm_transport.cpp), the two-step staging areas (shm_direct.cpp) and the
 // set-up (shm_setup.cpp); nothing outside transport/shm/ includes it.
 //
-// Layout (every part 64-byte aligned, each atomic on its own cache line):
+// Layout (every part 64-byte aligned, each atomic on its own cache line but an
+// OpSlot's, which share their one line):
 //   SegmentHeader | Doorbell x n | RingControl x n*n | ring data x n*n
-//   | StageFlags x n | staging slots x 2*n (double-buffered, per rank)
+//   | StageFlags x n | OpSlot x n | staging slots x 2*n (double-buffered, per rank)
 // A staging slot is a 64-byte stamp (the WireHeader of its round) and then
 // stagingBytes of data.
 #pragma once
@@ -37,7 +38,7 @@ struct Members {
   int size() const { return static_cast<int>(ranks.size()); }
 };
 
-constexpr uint64_t kSegmentMagic = 0x52524453484d3033;  // "RRDSHM03"
+constexpr uint64_t kSegmentMagic = 0x52524453484d3034;  // "RRDSHM04"
 constexpr size_t kSlotStampBytes = 64;
 
 struct alignas(64) Doorbell {
@@ -68,6 +69,17 @@ struct StageFlags {
   alignas(64) std::atomic<uint64_t> reduced;
 };
 
+// The op a rank is in: its messages' header (step and bytes 0), written when
+// the op first touches the segment. A rank that waits on a peer long enough
+// to sleep reads the peer's slot, so ops that differ across ranks fail even
+// when no message of the peer's ever reaches this rank (two ranks that each
+// think they are a gather's root only receive; two broadcast roots block on
+// full rings). A sequence lock: `version` is odd while its owner writes.
+struct alignas(64) OpSlot {
+  std::atomic<uint64_t> version;
+  std::atomic<uint64_t> words[sizeof(WireHeader) / 8];
+};
+
 static_assert(std::atomic<uint32_t>::is_always_lock_free &&
                   std::atomic<uint64_t>::is_always_lock_free,
               "shared-memory atomics must be lock-free");
@@ -77,7 +89,7 @@ struct Layout {
   int size = 0;
   size_t ringBytes = 0;
   size_t stagingBytes = 0;
-  size_t bells = 0, controls = 0, rings = 0, flags = 0, slots = 0, total = 0;
+  size_t bells = 0, controls = 0, rings = 0, flags = 0, ops = 0, slots = 0, total = 0;
 
   static Layout of(int size, size_t ringBytes, size_t stagingBytes);
   size_t slotBytes() const { return kSlotStampBytes + stagingBytes; }
@@ -100,6 +112,7 @@ class Segment {
   StageFlags& flags(int rank) {
     return reinterpret_cast<StageFlags*>(base_ + layout_.flags)[rank];
   }
+  OpSlot& opSlot(int rank) { return reinterpret_cast<OpSlot*>(base_ + layout_.ops)[rank]; }
   // Rank `rank`'s slot in buffer 0 or 1: the stamp, then the data.
   char* slot(int buffer, int rank) {
     return base_ + layout_.slots + (buffer * layout_.size + rank) * layout_.slotBytes();
@@ -113,6 +126,12 @@ class Segment {
 };
 
 void futexWake(std::atomic<uint32_t>* word);
+
+// This rank starts `op` (a no-op when its slot already names it).
+void announceOp(Segment& seg, int local, const OpInfo& op);
+// The op local rank `local` announced last, or false when its slot is being
+// written (look again later).
+bool announcedOp(Segment& seg, int local, WireHeader* out);
 
 // Copies n bytes into a ring whose consumer, a peer rank, reads them next.
 // `streaming` (x86-64): whole 64-byte lines with non-temporal stores, then a
@@ -144,8 +163,10 @@ void raiseAbortFlag(Segment& seg, uint64_t from);
 // pass moves nothing (it may have finished its part and exited).
 class PeerWait {
  public:
-  // `local`: this rank's index in the segment.
-  PeerWait(Mesh& mesh, Segment& seg, int local, const OpInfo& op);
+  // `local`: this rank's index in the segment; `localOf`: per rank of the
+  // group, its index in the segment (-1 elsewhere).
+  PeerWait(Mesh& mesh, Segment& seg, int local, const std::vector<int>& localOf,
+           const OpInfo& op);
 
   // The last pass moved something: spin again, forget a closed peer.
   void moved();
@@ -161,6 +182,7 @@ class PeerWait {
   Mesh& mesh_;
   Segment& seg_;
   Doorbell& mine_;
+  const std::vector<int>& localOf_;
   const OpInfo& op_;
   Clock::time_point idleSince_;
   int gone_ = -1;  // a peer whose connection closed; fatal if a full pass then moves nothing

@@ -99,10 +99,12 @@ class ShmTransport : public Transport {
  private:
   int local(int peer) const { return members_.local[peer]; }
 
-  // At an op's first exchange, starts its clock; at the first exchange with a
-  // message that may stream, chooses the op's stores (ring_stores.h).
+  // At an op's first exchange, announces it (OpSlot) and starts its clock; at
+  // the first exchange with a message that may stream, chooses the op's
+  // stores (ring_stores.h).
   void chooseStores(const OpInfo& op, const std::vector<SendSpec>& sends) {
     if (op.ctx.seq != opSeq_) {
+      announceOp(seg_, rank_, op);
       opSeq_ = op.ctx.seq;
       opStart_ = Clock::now();
       opChosen_ = sampling_ = opStreams_ = false;
@@ -248,7 +250,7 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
   std::vector<SendState> ss;
   std::vector<RecvState> rs;
   startProgress(op, sends, recvs, &ss, &rs);
-  PeerWait wait(mesh_, seg_, rank_, op);
+  PeerWait wait(mesh_, seg_, rank_, members_.local, op);
   const std::function<bool()> readyNow = [&] { return ready(ss, rs); };
   const std::function<void(std::vector<int>&)> open = [&](std::vector<int>& peers) {
     for (auto& x : ss) if (x.done < x.total()) peers.push_back(x.spec->peer);
