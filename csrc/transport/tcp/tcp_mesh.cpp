@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <set>
 #include <thread>
 #include <optional>
@@ -212,6 +213,41 @@ void TcpMesh::lookForRejection(const OpInfo& op, Clock::duration idle) {
   // The peer's error names the op and its arguments; this rank's says which
   // op waited and for whom.
   fail(op, r->rank, rejectionText("it", r->message), false, {}, false);
+}
+
+void TcpMesh::lookForOtherOp(const OpInfo& op, Clock::duration idle,
+                             const std::vector<int>& waitingOn,
+                             const std::vector<int>& midMessage) {
+  if (size_ == 1 || idle < kRejectionLookAfter || !collective(op) || waitingOn.empty()) return;
+  const Clock::duration every = std::clamp<Clock::duration>(
+      idle / 4, kRejectionLookAfter, std::chrono::seconds(2));
+  const auto now = Clock::now();
+  const int64_t nowNs = now.time_since_epoch().count();
+  int64_t last = otherOpLookedAt_.load(std::memory_order_relaxed);
+  if (nowNs - last < every.count() ||
+      !otherOpLookedAt_.compare_exchange_strong(last, nowNs, std::memory_order_relaxed)) {
+    return;
+  }
+  auto key = [&](int r) { return storeBase_ + "op/" + std::to_string(r); };
+  if (announcedSeq_.exchange(op.ctx.seq) != op.ctx.seq) {
+    const WireHeader mine = messageHeader(op, SendSpec{-1, nullptr, 0, 0});
+    try {
+      store_.set(key(rank_), std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)),
+                 std::min(op.deadline, now + kPublishBudget), "announcing the op");
+    } catch (const std::exception&) {
+      // Best effort: a mismatch then fails at the timeout, as before.
+    }
+  }
+  const int peer = waitingOn[otherOpTurn_.fetch_add(1) % waitingOn.size()];
+  auto value = store_.peek(key(peer), std::min(op.deadline, Clock::now() + kLookupBudget));
+  if (!value || value->size() != sizeof(WireHeader)) return;
+  WireHeader h;
+  std::memcpy(&h, value->data(), sizeof(h));
+  if (h.magic != kWireMagic || h.seq != op.ctx.seq) return;
+  const std::string err = headerMismatch(op, RecvSpec{peer, nullptr, h.bytes, h.step, {}}, h);
+  if (!err.empty()) {
+    fail(op, peer, err + " (the op the peer announced in the store)", false, midMessage, false);
+  }
 }
 
 void TcpMesh::setAbandonHook(std::function<void(const OpInfo&)> hook) {

@@ -66,6 +66,15 @@ class TcpMesh : public Mesh {
   std::string abortReason() const override;
   void publishRejected(uint64_t seq, const std::string& message) override;
   void lookForRejection(const OpInfo& op, std::chrono::steady_clock::duration idle) override;
+  // Headers cannot tell ops apart in which no rank reads another's message (a
+  // gather two ranks each think they are the root of; broadcasts in which
+  // every rank is the root and the sockets fill). So a collective idle
+  // kRejectionLookAfter or more also says in the store which op it is (its
+  // messages' header, once per op), and reads what one of `waitingOn` (the
+  // next in turn) announced there: a peer whose op with this number differs
+  // (headerMismatch) fails the op at once. Same cadence as lookForRejection.
+  void lookForOtherOp(const OpInfo& op, std::chrono::steady_clock::duration idle,
+                      const std::vector<int>& waitingOn, const std::vector<int>& midMessage);
   WaitPolicy& waitPolicy() override { return wait_; }
   std::string listenAddress() const override;
   // Why the most recent refused connections were refused (at most
@@ -131,6 +140,9 @@ class TcpMesh : public Mesh {
   std::string rejectionNote(const OpInfo& op);
   static constexpr uint64_t kRejectedKeys = 64;
   std::atomic<int64_t> rejectionLookedAt_{0};  // steady clock ticks
+  std::atomic<int64_t> otherOpLookedAt_{0};    // steady clock ticks
+  std::atomic<uint64_t> announcedSeq_{0};      // the last op this rank announced
+  std::atomic<size_t> otherOpTurn_{0};         // which of the waited-for peers to read next
   // Writes an abort frame to every peer whose collective stream is at a
   // message boundary (not in `midMessage`), so a late peer that completes
   // this op's transfers still fails it in confirm().

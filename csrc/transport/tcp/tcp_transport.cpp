@@ -164,6 +164,10 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
     if (ready == 0) {
       if (millisUntil(op.deadline) > 0) {
         mesh.lookForRejection(op, lastPoll - movedAt);
+        std::vector<int> waitingOn;
+        for (auto& x : ss) if (x.done < x.total()) waitingOn.push_back(x.spec->peer);
+        for (auto& x : rs) if (!x.finished()) waitingOn.push_back(x.spec->peer);
+        mesh.lookForOtherOp(op, lastPoll - movedAt, waitingOn, midMessage());
         continue;
       }
       auto [peer, what] = timeoutReport(op, ss, rs);
