@@ -242,24 +242,34 @@ def test_every_rank_its_own_root_fails_fast(pool, transport, world_size, op, num
     assert any("root mismatch" in m for m in msgs), "\n".join(msgs)
 
 
-def _broadcast_against_all_reduce(ctx, transport):
+def _broadcast_against_all_reduce(ctx, transport, numel, other="allreduce"):
     group, kind = _new_group(transport)
-    t = torch.full((1000,), float(ctx.rank + 1))
+    t = torch.full((numel,), float(ctx.rank + 1))
     if ctx.rank == 0:
         first = attempt(lambda: dist.broadcast(t, src=0, group=group))
-    else:
+    elif other == "allreduce":
         first = attempt(lambda: dist.all_reduce(t, group=group))
+    else:
+        first = attempt(lambda: dist.gather(t, [torch.empty(numel) for _ in range(2)], dst=1,
+                                            group=group))
     after = attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
     return {"kind": kind, "first": first, "after": after,
             "data": t[:3].tolist() if first is None else None}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_broadcast_root_against_all_reduce_fails_in_that_op(pool, transport):
-    results = pool.run(2, _broadcast_against_all_reduce, transport, timeout=RUN_TIMEOUT_S)
+@pytest.mark.parametrize("numel,other", [(1000, "allreduce"), (4 << 20, "allreduce"),
+                                         (4 << 20, "gather")])
+def test_broadcast_root_against_another_op_fails_in_that_op(pool, transport, numel, other):
+    # 16 MiB: the root blocks writing to rank 1, which fails at the first header but
+    # stays alive. Its all-reduce's own unsent bytes hold back its connection's end:
+    # the root learns from the store. A gather's root sent nothing: its end reaches the
+    # root at once (POLLRDHUP). Both timed out before over TCP.
+    results = pool.run(2, _broadcast_against_all_reduce, transport, numel, other,
+                       timeout=RUN_TIMEOUT_S)
     assert [res["kind"] for res in results] == [transport] * 2
     # The root only sends: it used to return success and fail on its next op.
-    for rank, op in ((0, "broadcast"), (1, "allreduce")):
+    for rank, op in ((0, "broadcast"), (1, other)):
         res = results[rank]
         first = res["first"]
         assert first is not None, f"rank {rank}: {op} succeeded with data {res['data']}"

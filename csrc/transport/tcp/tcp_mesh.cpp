@@ -238,6 +238,11 @@ void TcpMesh::lookForOtherOp(const OpInfo& op, Clock::duration idle,
       // Best effort: a mismatch then fails at the timeout, as before.
     }
   }
+  // A peer that aborted while this rank writes to it may never get its end
+  // through (its own unsent bytes hold the FIN back): its error is in the store.
+  if (store_.peek(storeBase_ + kAbortKey, std::min(op.deadline, Clock::now() + kLookupBudget))) {
+    fail(op, -1, "another rank aborted the group", false, midMessage, false);
+  }
   const int peer = waitingOn[otherOpTurn_.fetch_add(1) % waitingOn.size()];
   auto value = store_.peek(key(peer), std::min(op.deadline, Clock::now() + kLookupBudget));
   if (!value || value->size() != sizeof(WireHeader)) return;

@@ -72,7 +72,10 @@ class TcpMesh : public Mesh {
   // kRejectionLookAfter or more also says in the store which op it is (its
   // messages' header, once per op), and reads what one of `waitingOn` (the
   // next in turn) announced there: a peer whose op with this number differs
-  // (headerMismatch) fails the op at once. Same cadence as lookForRejection.
+  // (headerMismatch) fails the op at once. It also fails the op when a rank
+  // published the group's first error (an aborted peer whose socket still
+  // holds unsent bytes cannot get its FIN to this rank). Same cadence as
+  // lookForRejection.
   void lookForOtherOp(const OpInfo& op, std::chrono::steady_clock::duration idle,
                       const std::vector<int>& waitingOn, const std::vector<int>& midMessage);
   WaitPolicy& waitPolicy() override { return wait_; }

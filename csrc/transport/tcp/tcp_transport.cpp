@@ -13,6 +13,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -144,7 +145,9 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
       pfds.push_back({fd, events, 0});
       peerOf.push_back(peer);
     };
-    for (auto& s : ss) if (s.done < s.total()) watch(s.spec->peer, POLLOUT);
+    // POLLRDHUP: a peer that shut its end (it aborted, or exited) never reads
+    // the rest; with its receive buffer full no POLLOUT would come either.
+    for (auto& s : ss) if (s.done < s.total()) watch(s.spec->peer, POLLOUT | POLLRDHUP);
     for (auto& r : rs) if (!r.finished()) watch(r.spec->peer, POLLIN);
     if (pfds.empty()) {
       return;
@@ -195,6 +198,23 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
           mesh.fail(op, peer,
                     "send failed after " + std::to_string(s.done) + " of " +
                         std::to_string(s.total()) + " bytes: " + err,
+                    false, midMessage());
+        }
+      }
+      if ((pfds[i].revents & POLLRDHUP) != 0) {
+        // A receive from the peer reads what it sent before its end, then the
+        // end itself, and fails in its own words; without one, fail here.
+        const bool receiving = std::any_of(rs.begin(), rs.end(), [&](const RecvState& r) {
+          return r.spec->peer == peer && !r.finished();
+        });
+        const auto open = std::find_if(ss.begin(), ss.end(), [&](const SendState& x) {
+          return x.spec->peer == peer && x.done < x.total();
+        });
+        if (!receiving && open != ss.end()) {
+          mesh.fail(op, peer,
+                    "the peer shut its connection (it aborted or exited) after " +
+                        std::to_string(open->done) + " of " + std::to_string(open->total()) +
+                        " bytes were sent",
                     false, midMessage());
         }
       }
