@@ -122,7 +122,6 @@ class ShmTransport : public Transport {
   }
 
   // Copies as much of the message as the ring to s.peer has room for.
-
   bool progressSend(SendState& s) {
     const int to = local(s.spec->peer);
     RingControl& c = seg_.control(rank_, to);
