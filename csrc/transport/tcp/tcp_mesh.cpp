@@ -192,22 +192,29 @@ std::string TcpMesh::rejectionNote(const OpInfo& op) {
   return "; " + rejectionText("rank " + std::to_string(r->rank), r->message);
 }
 
-void TcpMesh::lookForRejection(const OpInfo& op, Clock::duration idle) {
-  if (size_ == 1 || idle < kRejectionLookAfter || !collective(op)) return;
-  // Every 100 ms while the wait is young, then less often (a quarter of the
-  // wait, at most every 2 s): long waits for a slow peer are common and each
-  // look is a store request.
+namespace {
+
+// Whether a wait idle for `idle` is due a look at the store (last one at
+// `lookedAt`, which this claims): from kRejectionLookAfter on, every 100 ms
+// while the wait is young, then less often (a quarter of the wait, at most
+// every 2 s): long waits for a slow peer are common and each look is a store
+// request.
+bool lookDue(std::atomic<int64_t>& lookedAt, Clock::duration idle) {
+  if (idle < Mesh::kRejectionLookAfter) return false;
   const Clock::duration every = std::clamp<Clock::duration>(
-      idle / 4, kRejectionLookAfter, std::chrono::seconds(2));
-  const auto now = Clock::now();
-  const int64_t nowNs = now.time_since_epoch().count();
-  int64_t last = rejectionLookedAt_.load(std::memory_order_relaxed);
-  if (nowNs - last < every.count() ||
-      !rejectionLookedAt_.compare_exchange_strong(last, nowNs, std::memory_order_relaxed)) {
-    return;
-  }
+      idle / 4, Mesh::kRejectionLookAfter, std::chrono::seconds(2));
+  const int64_t now = Clock::now().time_since_epoch().count();
+  int64_t last = lookedAt.load(std::memory_order_relaxed);
+  return now - last >= every.count() &&
+         lookedAt.compare_exchange_strong(last, now, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+void TcpMesh::lookForRejection(const OpInfo& op, Clock::duration idle) {
+  if (size_ == 1 || !collective(op) || !lookDue(rejectionLookedAt_, idle)) return;
   auto r = parseRejection(store_.peek(rejectedKey(op.ctx.seq),
-                                      std::min(op.deadline, now + kLookupBudget)),
+                                      std::min(op.deadline, Clock::now() + kLookupBudget)),
                           op.ctx.seq, size_);
   if (!r || r->rank == rank_) return;
   // The peer's error names the op and its arguments; this rank's says which
@@ -218,16 +225,10 @@ void TcpMesh::lookForRejection(const OpInfo& op, Clock::duration idle) {
 void TcpMesh::lookForOtherOp(const OpInfo& op, Clock::duration idle,
                              const std::vector<int>& waitingOn,
                              const std::vector<int>& midMessage) {
-  if (size_ == 1 || idle < kRejectionLookAfter || !collective(op) || waitingOn.empty()) return;
-  const Clock::duration every = std::clamp<Clock::duration>(
-      idle / 4, kRejectionLookAfter, std::chrono::seconds(2));
-  const auto now = Clock::now();
-  const int64_t nowNs = now.time_since_epoch().count();
-  int64_t last = otherOpLookedAt_.load(std::memory_order_relaxed);
-  if (nowNs - last < every.count() ||
-      !otherOpLookedAt_.compare_exchange_strong(last, nowNs, std::memory_order_relaxed)) {
+  if (size_ == 1 || !collective(op) || waitingOn.empty() || !lookDue(otherOpLookedAt_, idle)) {
     return;
   }
+  const auto now = Clock::now();
   auto key = [&](int r) { return storeBase_ + "op/" + std::to_string(r); };
   if (announcedSeq_.exchange(op.ctx.seq) != op.ctx.seq) {
     const WireHeader mine = messageHeader(op, SendSpec{-1, nullptr, 0, 0});
