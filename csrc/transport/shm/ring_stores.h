@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <unordered_map>
@@ -73,10 +74,9 @@ class RingStoreChooser {
     int choice = -1;  // -1 sampling, 0 plain, 1 streaming
   };
 
+  // The kind, and the size's power of two (floor of log2; callers pass >= 16 KiB).
   static uint32_t key(uint8_t kind, size_t bytes) {
-    uint32_t log2 = 0;
-    while (log2 < 63 && (size_t{2} << log2) <= bytes) ++log2;
-    return static_cast<uint32_t>(kind) << 8 | log2;
+    return static_cast<uint32_t>(kind) << 8 | static_cast<uint32_t>(std::bit_width(bytes) - 1);
   }
 
   static float median(std::array<float, kSamples> v) {

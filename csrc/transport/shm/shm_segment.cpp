@@ -213,7 +213,9 @@ void PeerWait::idle(const std::function<bool()>& ready,
     if (local < 0 || !announcedOp(seg_, local, &h) || h.seq != op_.ctx.seq) continue;
     const RecvSpec spec{peer, nullptr, h.bytes, h.step, {}};
     const std::string err = headerMismatch(op_, spec, h);
-    if (!err.empty()) mesh_.failOp(op_, peer, err + " (the op the peer announced in shared memory)");
+    if (!err.empty()) {
+      mesh_.failOp(op_, peer, err + " (the op the peer announced in shared memory)");
+    }
   }
   gone_ = mesh_.closedPeer(peers_);
 }
