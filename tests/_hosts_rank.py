@@ -147,6 +147,16 @@ def collectives(c, group):
         c.run(name, fn)
 
 
+# Broadcasts whose ranks disagree on the root, (name, numel, root(rank, world)):
+# every rank sends through, or waits on, a peer that runs another broadcast,
+# on its own host (shared memory) or across (TCP).
+MISMATCHES = [
+    ("last rank its own root, 16 MiB", 1 << 22, lambda rank, world: rank if rank == world - 1 else 0),
+    ("every rank its own root, 1 MiB", 1 << 18, lambda rank, world: rank),
+    ("every rank its own root, 16 MiB", 1 << 22, lambda rank, world: rank),
+]
+
+
 def main():
     mode = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -195,6 +205,28 @@ def main():
             report["error"] = str(err)[:400]
         print(json.dumps(report), flush=True)
         os._exit(0)  # the group may be unusable: skip the teardown's collectives
+    if mode == "mismatch":
+        # test_root_disagreement_across_hosts_fails_fast: each case on a group
+        # of its own (a failed op leaves its group unusable).
+        report["cases"] = {}
+        for name, numel, root in MISMATCHES:
+            group = dist.new_group(backend="ringreduce", timeout=timedelta(seconds=60))
+            t = torch.ones(64)
+            dist.all_reduce(t, group=group)  # the group is connected
+            dist.barrier(group=gloo)
+            t = torch.full((numel,), float(rank))
+            started = time.monotonic()
+            try:
+                dist.broadcast(t, root(rank, world), group=group)
+                raised = None
+            except Exception as err:  # noqa: BLE001 - reported to the test
+                raised = str(err)[:1500]
+            report["cases"][name] = {"raised": raised, "seconds": time.monotonic() - started}
+        # Rank 0 hosts the store: the others may still be looking up the
+        # group's first error in it.
+        dist.barrier(group=gloo)
+        print(json.dumps(report), flush=True)
+        os._exit(0)  # the groups are unusable: skip the teardown's collectives
     if mode == "threads":
         # A small all-reduce is a mixed exchange (this host's peers and the
         # others' at once), which starts the routed transport's helper.

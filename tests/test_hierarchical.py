@@ -93,6 +93,22 @@ def test_rank_death_on_other_host_fails_everyone_fast(layout):
         assert "rank" in r["raised"] and "allreduce" in r["raised"].lower(), r["raised"]
 
 
+def test_root_disagreement_across_hosts_fails_fast():
+    """Broadcasts whose ranks name different roots, two hosts of two ranks.
+    A rank whose op moved data on one path only announced it on that path
+    alone: rank 0 (root 0, sending on its host) never wrote its op in the
+    store that rank 3 (root 3, writing to rank 0 over TCP) reads, and a rank
+    whose op ran on TCP alone left its shared-memory slot stale. Every rank
+    waited out the timeout; now each op is announced on both paths."""
+    reports = run_layout([0, 0, 1, 1], mode="mismatch", timeout=200)
+    for rank, r in enumerate(reports):
+        for name, case in r["cases"].items():
+            assert case["raised"], f"rank {rank}, {name}: the broadcast returned"
+            assert case["seconds"] < 5, (
+                f"rank {rank}, {name}: raised after {case['seconds']:.1f} s: {case['raised']}")
+            assert "root mismatch" in case["raised"], (rank, name, case["raised"])
+
+
 def test_destroy_joins_the_routed_transports_helper():
     """The thread that drives a mixed exchange's TCP part (`rr-route`) ended
     only when the backend object was freed, after destroy_process_group for

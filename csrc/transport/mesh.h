@@ -73,6 +73,22 @@ class Mesh {
   virtual void lookForRejection(const OpInfo& op, std::chrono::steady_clock::duration idle) = 0;
   static constexpr std::chrono::milliseconds kRejectionLookAfter{100};
 
+  // Headers cannot tell ops apart in which no rank reads another's message (a
+  // gather two ranks each think they are the root of; broadcasts in which
+  // every rank is the root and the connections fill). So a collective idle
+  // kRejectionLookAfter or more says in the store which op it is (its
+  // messages' header, once per op), whichever path it waits on (a peer on
+  // another host may be waiting for it), and reads what one of `waitingOn`
+  // (peers it waits for over TCP, the next in turn; may be empty) announced
+  // there: a peer whose op with this number differs (headerMismatch) fails the
+  // op at once. It also fails the op when a rank published the group's first
+  // error (an aborted peer whose socket still holds unsent bytes cannot get
+  // its FIN to this rank). `midMessage`: the peers this rank stopped writing
+  // to in the middle of a message. Same cadence as lookForRejection.
+  virtual void lookForOtherOp(const OpInfo& op, std::chrono::steady_clock::duration idle,
+                              const std::vector<int>& waitingOn,
+                              const std::vector<int>& midMessage) = 0;
+
   // How a waiting rank spends its idle time (shared by every data path).
   virtual WaitPolicy& waitPolicy() = 0;
 

@@ -102,7 +102,10 @@ class RoutedTransport : public Transport {
     for (const auto& s : sends) (onHost_[s.peer] ? viaShm : viaTcp) = true;
     for (const auto& r : recvs) (onHost_[r.peer] ? viaShm : viaTcp) = true;
     if (!viaTcp) return shm_->exchange(op, sends, recvs);
-    if (!viaShm) return tcp_->exchange(op, sends, recvs);
+    if (!viaShm) {
+      shm_->announceOp(op);  // this host's peers may be waiting for this rank
+      return tcp_->exchange(op, sends, recvs);
+    }
     exchangeMixed(op, sends, recvs);
   }
 

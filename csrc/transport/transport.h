@@ -190,6 +190,12 @@ class Transport {
   virtual void postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, size_t bytes,
                         P2PCallback done) = 0;
 
+  // Makes `op` visible to the waits of peers that share this path, before an
+  // exchange that does not use it: a rank of a multi-host group whose op
+  // moves data over TCP alone still writes its shared-memory slot, or a peer
+  // on its host waiting for it could not tell that it runs another op.
+  virtual void announceOp(const OpInfo& op) { (void)op; }
+
   // Called after an op's transfers all completed, before its Work succeeds:
   // throws (as exchange() does) if a peer abandoned the op meanwhile (it timed
   // out or failed), so that one op never has two outcomes. Cheap: a flag or

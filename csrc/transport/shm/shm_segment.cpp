@@ -217,6 +217,11 @@ void PeerWait::idle(const std::function<bool()>& ready,
       mesh_.failOp(op_, peer, err + " (the op the peer announced in shared memory)");
     }
   }
+  // Ranks on other hosts cannot read the slot: a rank there waiting for this
+  // one over TCP reads the op in the store.
+  if (std::any_of(localOf_.begin(), localOf_.end(), [](int l) { return l < 0; })) {
+    mesh_.lookForOtherOp(op_, Clock::now() - idleSince_, {}, {});
+  }
   gone_ = mesh_.closedPeer(peers_);
 }
 

@@ -90,6 +90,7 @@ class ShmTransport : public Transport {
     for (int r = 0; r < size_; ++r) seg_.ring(r);
   }
   std::string abortReason() const override { return mesh_.abortReason(); }
+  void announceOp(const OpInfo& op) override { shm::announceOp(seg_, rank_, op); }
   std::string name() const override { return "shm"; }
   Mesh& mesh() override { return mesh_; }
   const Topology& topology() const override { return topology_; }
@@ -104,7 +105,7 @@ class ShmTransport : public Transport {
   // stores (ring_stores.h).
   void chooseStores(const OpInfo& op, const std::vector<SendSpec>& sends) {
     if (op.ctx.seq != opSeq_) {
-      announceOp(seg_, rank_, op);
+      shm::announceOp(seg_, rank_, op);
       opSeq_ = op.ctx.seq;
       opStart_ = Clock::now();
       opChosen_ = sampling_ = opStreams_ = false;

@@ -225,9 +225,7 @@ void TcpMesh::lookForRejection(const OpInfo& op, Clock::duration idle) {
 void TcpMesh::lookForOtherOp(const OpInfo& op, Clock::duration idle,
                              const std::vector<int>& waitingOn,
                              const std::vector<int>& midMessage) {
-  if (size_ == 1 || !collective(op) || waitingOn.empty() || !lookDue(otherOpLookedAt_, idle)) {
-    return;
-  }
+  if (size_ == 1 || !collective(op) || !lookDue(otherOpLookedAt_, idle)) return;
   const auto now = Clock::now();
   auto key = [&](int r) { return storeBase_ + "op/" + std::to_string(r); };
   if (announcedSeq_.exchange(op.ctx.seq) != op.ctx.seq) {
@@ -244,6 +242,7 @@ void TcpMesh::lookForOtherOp(const OpInfo& op, Clock::duration idle,
   if (store_.peek(storeBase_ + kAbortKey, std::min(op.deadline, Clock::now() + kLookupBudget))) {
     fail(op, -1, "another rank aborted the group", false, midMessage, false);
   }
+  if (waitingOn.empty()) return;
   const int peer = waitingOn[otherOpTurn_.fetch_add(1) % waitingOn.size()];
   auto value = store_.peek(key(peer), std::min(op.deadline, Clock::now() + kLookupBudget));
   if (!value || value->size() != sizeof(WireHeader)) return;

@@ -66,18 +66,9 @@ class TcpMesh : public Mesh {
   std::string abortReason() const override;
   void publishRejected(uint64_t seq, const std::string& message) override;
   void lookForRejection(const OpInfo& op, std::chrono::steady_clock::duration idle) override;
-  // Headers cannot tell ops apart in which no rank reads another's message (a
-  // gather two ranks each think they are the root of; broadcasts in which
-  // every rank is the root and the sockets fill). So a collective idle
-  // kRejectionLookAfter or more also says in the store which op it is (its
-  // messages' header, once per op), and reads what one of `waitingOn` (the
-  // next in turn) announced there: a peer whose op with this number differs
-  // (headerMismatch) fails the op at once. It also fails the op when a rank
-  // published the group's first error (an aborted peer whose socket still
-  // holds unsent bytes cannot get its FIN to this rank). Same cadence as
-  // lookForRejection.
   void lookForOtherOp(const OpInfo& op, std::chrono::steady_clock::duration idle,
-                      const std::vector<int>& waitingOn, const std::vector<int>& midMessage);
+                      const std::vector<int>& waitingOn,
+                      const std::vector<int>& midMessage) override;
   WaitPolicy& waitPolicy() override { return wait_; }
   std::string listenAddress() const override;
   // Why the most recent refused connections were refused (at most
