@@ -151,7 +151,8 @@ def collectives(c, group):
 # every rank sends through, or waits on, a peer that runs another broadcast,
 # on its own host (shared memory) or across (TCP).
 MISMATCHES = [
-    ("last rank its own root, 16 MiB", 1 << 22, lambda rank, world: rank if rank == world - 1 else 0),
+    ("last rank its own root, 16 MiB", 1 << 22,
+     lambda rank, world: rank if rank == world - 1 else 0),
     ("every rank its own root, 1 MiB", 1 << 18, lambda rank, world: rank),
     ("every rank its own root, 16 MiB", 1 << 22, lambda rank, world: rank),
 ]
