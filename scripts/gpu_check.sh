@@ -24,11 +24,18 @@
 #            (bench_collectives.py --course-table, 2 and 4 workers). nccl needs
 #            NCCL 2.30+ for two ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1 and
 #            the nvidia-nccl-cu13 wheel); with an older NCCL its columns say why not.
+#   host     issue 10's CPU table on this machine's idle cores (CPU tensors, no GPU
+#            involved): the all-reduce at 2 and 4 ranks, 4 KiB-64 MiB, against gloo
+#            and Open MPI (when mpirun and mpi4py are there), with the one-rank floor
+#            and one core's memcpy measured in the same run. The 2-core development
+#            VM cannot reach the 64 MiB target (busbw >= 0.8 of one core's memcpy):
+#            its two cores share one core's memory bandwidth (README, "Against gloo
+#            and Open MPI"); this step measures it on a server's cores.
 # Each step's output goes to the terminal and to $OUT/gpu_check.log; JSON next to it.
 # Every step fits the device tool's 10-minute limit when run alone; all of them
 # together take about 12 minutes on an H100 machine (16 cores) without `studies`,
-# so run them in three calls there: `tests syncbn`, then `coll train`, then
-# `studies`.
+# so run them in four calls there: `tests syncbn`, then `coll train`, then
+# `studies`, then `host`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-results}"
@@ -111,6 +118,20 @@ want studies && {
     --json "$OUT_DIR/ddp_variants_cuda.json"
   step "$PY" scripts/bench_collectives.py --course-table --device cuda --workers 2 4 \
     --json "$OUT_DIR/course_table_cuda.json"
+}
+want host && {
+  host_backends="ringreduce gloo"
+  if command -v mpirun >/dev/null && "$PY" -c "import mpi4py" 2>/dev/null; then
+    host_backends="$host_backends mpi"
+  else
+    echo "=== host: no Open MPI column (mpirun or mpi4py missing)" | tee -a "$LOG"
+  fi
+  for n in 2 4; do
+    # shellcheck disable=SC2086  # one word per backend
+    step "$PY" scripts/bench_collectives.py --nproc "$n" --backends $host_backends \
+      --ops allreduce -b 4K -e 64M -f 4 --floor --memcpy --repeats 9 \
+      --json "$OUT_DIR/bench_collectives_host_np$n.json"
+  done
 }
 echo "gpu_check: exit $status (log: $LOG)"
 exit $status
