@@ -26,11 +26,11 @@ def even_sizes(batch, parts):
     return [batch // parts + (1 if r < batch % parts else 0) for r in range(parts)]
 
 
-def make_batch(seed, batch, tail, mean=0.0, std=1.0):
-    """float32 standard normal (times std, plus mean, in float64 then rounded once)."""
+def make_batch(seed, batch, tail, mean=0.0, std=1.0, dtype=torch.float32):
+    """Standard normal times std, plus mean, in float64, then rounded once to dtype."""
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn((batch, *tail), generator=gen, dtype=torch.float64) * std
-            + mean).float()
+            + mean).to(dtype)
 
 
 def max_err(got, want):
@@ -97,6 +97,7 @@ class Case:
     seed: int = 0
     eval_after: bool = False
     device: str = "cpu"  # ours runs here; the nn.BatchNorm oracle always on the CPU
+    mean: float = 0.0  # every channel's mean (its std is 1): |mean| >> 1 is ill-conditioned
 
 
 def _modules(case, dims, group):
@@ -121,7 +122,9 @@ def _modules(case, dims, group):
 def _inputs(case, step, pos):
     """(local input for ours, global input for nn.BatchNorm, local row range)."""
     total = sum(case.sizes)
-    full = make_batch(case.seed * 100 + step, total, case.tail).to(case.dtype)
+    built = torch.float64 if case.dtype == torch.float64 else torch.float32
+    full = make_batch(case.seed * 100 + step, total, case.tail, mean=case.mean,
+                      dtype=built).to(case.dtype)
     ref_in = full if case.dtype == torch.float64 else full.float()
     lo = sum(case.sizes[:pos])
     hi = lo + case.sizes[pos]

@@ -20,7 +20,15 @@ norm with no communication, as is world size 1 or an uninitialized
 torch.distributed. The kernels are torch_ringreduce._C's where the extension has
 them for the tensor's device, else the pure-torch _syncbn_reference.
 
-Host synchronisation. None on CUDA: momentum=None reads num_batches_tracked on
+Ill-conditioned channels. The pack's variance is P2/N - mean^2, whose relative
+error is about 1e-16 (mean/std)^2. When a channel of the all-reduced pack has
+cancelled more than float64 inputs can spare (|mean|/std above about 32; 8192
+for the other dtypes), every rank (all hold the same pack) sums
+[sum (x - m), sum (x - m)^2] around the pack's mean m and all-reduces that too:
+two collectives in that forward, as exact as nn.BatchNorm on the whole batch.
+
+Host synchronisation. None on CUDA but for float64 inputs, whose pack is read
+on the host for the check above; momentum=None reads num_batches_tracked on
 the device. On CPU, where reading a tensor costs nothing, the global count is
 read after the all-reduce to raise nn's "Expected more than 1 value per
 channel" error when the GLOBAL batch has one value per channel, and to leave
@@ -162,6 +170,32 @@ def _all_reduce(pack, group, world_size):
         dist.all_reduce(pack, op=dist.ReduceOp.SUM, group=group)
 
 
+def _ill_conditioned(x, pack):
+    """Whether a channel's P2 - P1 * mean cancelled too far (the fused op's rule)."""
+    if pack.device.type != "cpu" and x.dtype != torch.float64:
+        return False
+    n, s1, s2 = pack.cpu().unbind(0)
+    limit = 2.0 ** (-10 if x.dtype == torch.float64 else -26)
+    ill = (n > 1) & (s2 > 0) & (s2 - s1 * (s1 / n) <= s2 * limit)
+    return bool(ill.any())
+
+
+def _recentred_stats(x, pack, eps, dtype, group, world_size):
+    """bn_finalize's (mean, invstd, var_unbiased), from a second all-reduce of
+    [sum (x - m), sum (x - m)^2] around the pack's mean m."""
+    n = pack[0]
+    safe = n.clamp_min(1.0)
+    m = pack[1] / safe
+    centred = x.to(torch.float64) - _syncbn_reference._per_channel(m, x)
+    dims = _syncbn_reference._reduce_dims(x)
+    sums = torch.stack([centred.sum(dims), centred.square().sum(dims)])
+    _all_reduce(sums, group, world_size)
+    s1, s2 = sums[0], sums[1]
+    var = ((s2 - s1 * (s1 / safe)) / safe).clamp_min(0.0)
+    unbiased = torch.where(n > 1, var * n / (n - 1).clamp_min(1.0), var)
+    return (m + s1 / safe).to(dtype), (var + eps).rsqrt().to(dtype), unbiased.to(dtype)
+
+
 def _keep_when_empty(count, batch, running):
     """batch where the global count is non-zero, else the running value (on the device)."""
     return torch.where(count > 0, batch, running.to(batch.dtype))
@@ -195,7 +229,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         pack = k.bn_stats_pack(x)
         _all_reduce(pack, group, world_size)
         count = pack[0].clone()  # a view would keep the whole [3, C] pack alive
-        mean, invstd, var_unbiased = k.bn_finalize(pack, eps, sd)
+        if _ill_conditioned(x, pack):
+            mean, invstd, var_unbiased = _recentred_stats(x, pack, eps, sd, group, world_size)
+        else:
+            mean, invstd, var_unbiased = k.bn_finalize(pack, eps, sd)
         rm, rv = _to_stat(running_mean, sd), _to_stat(running_var, sd)
         mean_up, var_up = mean, var_unbiased
         total = _known_count(x, count, world_size)

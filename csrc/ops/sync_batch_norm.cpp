@@ -52,6 +52,58 @@ int64_t knownCount(const at::Tensor& x, const at::Tensor& pack, int world, bool 
   return -1;
 }
 
+// How much of P2 the variance may be before the pack's P2 - P1 * mean has
+// cancelled too many digits (its relative error is about 1e-16 P2 / (N var)):
+// float64 inputs keep all but 10 bits, the others keep float32's precision.
+double cancellationLimit(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? 0x1p-10 : 0x1p-26;
+}
+
+// Whether a channel of the all-reduced pack [N, sum x, sum x^2] is so far from
+// zero against its spread (|mean|/std above about 32 for float64 inputs, 8192
+// for the others) that the variance must be summed again around the mean.
+// Read on the host: free for CPU tensors; on CUDA only float64 inputs pay the
+// sync (float32 and narrower ones keep the sync-free path, within their own
+// precision to |mean|/std ~ 1e4). Every rank holds the same pack, so every
+// rank decides alike and issues the same second collective or none.
+bool illConditioned(const at::Tensor& x, const at::Tensor& pack) {
+  if (!pack.is_cpu() && x.scalar_type() != at::kDouble) return false;
+  const at::Tensor p = pack.to(at::kCPU).contiguous();
+  const int64_t C = p.size(1);
+  const double* d = p.const_data_ptr<double>();
+  const double limit = cancellationLimit(x);
+  for (int64_t c = 0; c < C; ++c) {
+    const double n = d[c], s1 = d[C + c], s2 = d[2 * C + c];
+    if (!(n > 1) || !(s2 > 0)) continue;  // empty, single or all-zero; NaN stays as is
+    if (s2 - s1 * (s1 / n) <= s2 * limit) return true;  // NaN/inf compare false
+  }
+  return false;
+}
+
+// (mean, invstd, var_unbiased) as bnFinalize gives them, from a second
+// all-reduce of [sum (x - m), sum (x - m)^2] around the pack's mean m: the
+// cancellation is then only in m's last digits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> recentredStats(
+    const at::Tensor& x, const at::Tensor& pack, double eps, c10::ScalarType statDtype,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  const at::Tensor n = pack[0], safe = n.clamp_min(1.0);
+  const at::Tensor m = pack[1] / safe;
+  std::vector<int64_t> dims, shape(x.dim(), 1);
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (d != 1) dims.push_back(d);
+  }
+  shape[1] = x.size(1);
+  const at::Tensor centred = x.to(at::kDouble) - m.view(shape);
+  at::Tensor sums = at::stack({centred.sum(dims), centred.square().sum(dims)});
+  allReduceSum(group, sums);
+  const at::Tensor s1 = sums[0], s2 = sums[1];
+  const at::Tensor mean = m + s1 / safe;
+  const at::Tensor var = ((s2 - s1 * (s1 / safe)) / safe).clamp_min(0.0);
+  const at::Tensor invstd = (var + eps).rsqrt();
+  const at::Tensor unbiased = at::where(n > 1, var * n / (n - 1).clamp_min(1.0), var);
+  return {mean.to(statDtype), invstd.to(statDtype), unbiased.to(statDtype)};
+}
+
 struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
   // Optional tensors are passed as std::optional: an absent one is no input of
   // the node (autograd reads the device of every tensor input).
@@ -78,7 +130,9 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
                       world > 1 ? " (1 value per channel over the " + std::to_string(world) +
                                       " ranks of the group)"
                                 : std::string());
-    auto [mean, invstd, varUnbiased] = bnFinalize(pack, eps, sd);
+    auto [mean, invstd, varUnbiased] = illConditioned(x, pack)
+                                           ? recentredStats(x, pack, eps, sd, group)
+                                           : bnFinalize(pack, eps, sd);
     at::Tensor rm = toStat(runningMean, sd), rv = toStat(runningVar, sd);
     at::Tensor meanUp = mean, varUp = varUnbiased;
     if (total == 0) {
