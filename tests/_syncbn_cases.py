@@ -266,6 +266,35 @@ def one_value_error(ctx, sizes, tail):
     return message, int(bn.num_batches_tracked)
 
 
+def recentre_disagreement(ctx, python_function):
+    """Remote (2 ranks): rank 0 trains a float64 SyncBatchNorm on a batch whose
+    mean is 1e6 std, rank 1 a float32 one (the ill-conditioned check is float64's
+    alone), and then issues an all-reduce of the size of rank 0's second one, as
+    a backend that pairs mismatched collectives would. Rank 0's error, or None."""
+    import types
+
+    from torch_ringreduce import sync_batchnorm
+
+    kernels = sync_batchnorm._kernels
+    if python_function:
+        chosen = {n: getattr(kernels("cpu"), n) for n in sync_batchnorm.KERNEL_NAMES}
+        sync_batchnorm._kernels = lambda device_type: types.SimpleNamespace(fused=None,
+                                                                            **chosen)
+    channels = 3
+    dtype = torch.float64 if ctx.rank == 0 else torch.float32
+    bn = SyncBatchNorm(channels).to(dtype)
+    x = make_batch(11 + ctx.rank, 6, (channels,), mean=1e6, dtype=dtype)
+    try:
+        bn(x)
+        if ctx.rank == 1:
+            dist.all_reduce(torch.zeros(2 * channels + 1, dtype=torch.float64))
+        return None
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        sync_batchnorm._kernels = kernels
+
+
 def numerics(ctx, ratio, channels=8, per_rank=16, device="cpu"):
     """Remote: mean/std = ratio in float32; ours (on `device`; over the gloo group
     for CUDA) and naive fp32 sums vs float64.

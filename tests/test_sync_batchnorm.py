@@ -19,7 +19,7 @@ from torch import nn
 
 import torch_ringreduce
 from _syncbn_cases import (Case, compare, compare_kernels, even_sizes, make_batch, numerics,
-                           one_value_error, run_cases, run_cases_count_unknown,
+                           one_value_error, recentre_disagreement, run_cases, run_cases_count_unknown,
                            run_cases_on_gloo, run_cases_python_function, run_subgroups)
 from torch_ringreduce import _syncbn_reference as ref_kernels
 from torch_ringreduce.sync_batchnorm import SyncBatchNorm, kernel_source, revert_sync_batchnorm
@@ -254,8 +254,7 @@ def _assert_large_mean(cases, results, label):
         assert not bad, f"errors above {tol:g}: {bad} in {label} {case}"
         assert result["layout_ok"], case
         assert result["calls"]["backward"] == [1], (result["calls"], case)
-        # float64 recentres from |mean|/std ~ 32, the others from ~ 8192
-        recentred = case.dtype == torch.float64
+        recentred = case.dtype == torch.float64  # from |mean|/std ~ 32; other dtypes never
         assert result["calls"]["forward"] == ([2] if recentred else [1]), (result["calls"], case)
 
 
@@ -271,6 +270,16 @@ def test_numerics_large_mean_recentred(worlds, path):
         results = worlds.run(4, run_cases if path == "fused" else run_cases_count_unknown,
                              LARGE_MEAN)
     _assert_large_mean(LARGE_MEAN, results, path)
+
+
+@pytest.mark.parametrize("path", ["fused", "python"])
+def test_recentring_disagreement_raises(worlds, path):
+    """A rank whose second all-reduce met another collective of its size raises,
+    naming itself, instead of using (and handing out) mixed sums."""
+    got = worlds.run(2, recentre_disagreement, path == "python")
+    assert got[1] is None, got
+    assert got[0] is not None and "SyncBatchNorm on rank 0" in got[0] and \
+        "disagreed on whether to recentre" in got[0] and "marker 1, want 2" in got[0], got
 
 
 # ------------------------------------------------------------------ no process group

@@ -21,11 +21,12 @@ torch.distributed. The kernels are torch_ringreduce._C's where the extension has
 them for the tensor's device, else the pure-torch _syncbn_reference.
 
 Ill-conditioned channels. The pack's variance is P2/N - mean^2, whose relative
-error is about 1e-16 (mean/std)^2. When a channel of the all-reduced pack has
-cancelled more than float64 inputs can spare (|mean|/std above about 32; 8192
-for the other dtypes), every rank (all hold the same pack) sums
-[sum (x - m), sum (x - m)^2] around the pack's mean m and all-reduces that too:
-two collectives in that forward, as exact as nn.BatchNorm on the whole batch.
+error is about 1e-16 (mean/std)^2. When a channel of a float64 input's
+all-reduced pack has cancelled more than 10 bits (|mean|/std above about 32),
+every rank (all hold the same pack) sums [sum (x - m), sum (x - m)^2] around
+the pack's mean m and all-reduces that too: two collectives in that forward, as
+exact as nn.BatchNorm on the whole batch. Other dtypes are not checked: their
+own precision runs out first (the pack is float64).
 
 Host synchronisation. None on CUDA but for float64 inputs, whose pack is read
 on the host for the check above; momentum=None reads num_batches_tracked on
@@ -171,26 +172,38 @@ def _all_reduce(pack, group, world_size):
 
 
 def _ill_conditioned(x, pack):
-    """Whether a channel's P2 - P1 * mean cancelled too far (the fused op's rule)."""
-    if pack.device.type != "cpu" and x.dtype != torch.float64:
+    """Whether a channel of a float64 input's pack cancelled more than 10 bits
+    (the fused op's rule: float64 inputs only, on every device)."""
+    if x.dtype != torch.float64:
         return False
     n, s1, s2 = pack.cpu().unbind(0)
-    limit = 2.0 ** (-10 if x.dtype == torch.float64 else -26)
-    ill = (n > 1) & (s2 > 0) & (s2 - s1 * (s1 / n) <= s2 * limit)
+    ill = (n > 1) & (s2 > 0) & (s2 - s1 * (s1 / n) <= s2 * 2.0 ** -10)
     return bool(ill.any())
 
 
 def _recentred_stats(x, pack, eps, dtype, group, world_size):
     """bn_finalize's (mean, invstd, var_unbiased), from a second all-reduce of
-    [sum (x - m), sum (x - m)^2] around the pack's mean m."""
+    [sum (x - m), sum (x - m)^2, 1] around the pack's mean m (the 1 must sum to
+    the world size: see the fused op's recentredStats)."""
+    channels = x.shape[1]
     n = pack[0]
     safe = n.clamp_min(1.0)
     m = pack[1] / safe
     centred = x.to(torch.float64) - _syncbn_reference._per_channel(m, x)
     dims = _syncbn_reference._reduce_dims(x)
-    sums = torch.stack([centred.sum(dims), centred.square().sum(dims)])
+    sums = torch.cat([centred.sum(dims), centred.square().sum(dims),
+                      torch.ones(1, dtype=torch.float64, device=x.device)])
     _all_reduce(sums, group, world_size)
-    s1, s2 = sums[0], sums[1]
+    marker = float(sums[-1])
+    if marker != max(world_size, 1):
+        rank = dist.get_rank(group) if world_size > 1 else 0
+        raise RuntimeError(
+            f"[ringreduce] SyncBatchNorm on rank {rank}: its second all-reduce (channel "
+            "statistics summed around the mean, for a float64 input whose |mean| dwarfs its "
+            f"std) met a different collective on another rank (marker {marker:g}, want "
+            f"{world_size}): the ranks disagreed on whether to recentre, so their first "
+            "all-reduce did not give every rank the same bits, or their inputs differ in dtype")
+    s1, s2 = sums[:channels], sums[channels:2 * channels]
     var = ((s2 - s1 * (s1 / safe)) / safe).clamp_min(0.0)
     unbiased = torch.where(n > 1, var * n / (n - 1).clamp_min(1.0), var)
     return (m + s1 / safe).to(dtype), (var + eps).rsqrt().to(dtype), unbiased.to(dtype)

@@ -52,51 +52,58 @@ int64_t knownCount(const at::Tensor& x, const at::Tensor& pack, int world, bool 
   return -1;
 }
 
-// How much of P2 the variance may be before the pack's P2 - P1 * mean has
-// cancelled too many digits (its relative error is about 1e-16 P2 / (N var)):
-// float64 inputs keep all but 10 bits, the others keep float32's precision.
-double cancellationLimit(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? 0x1p-10 : 0x1p-26;
-}
-
-// Whether a channel of the all-reduced pack [N, sum x, sum x^2] is so far from
-// zero against its spread (|mean|/std above about 32 for float64 inputs, 8192
-// for the others) that the variance must be summed again around the mean.
-// Read on the host: free for CPU tensors; on CUDA only float64 inputs pay the
-// sync (float32 and narrower ones keep the sync-free path, within their own
-// precision to |mean|/std ~ 1e4). Every rank holds the same pack, so every
-// rank decides alike and issues the same second collective or none.
+// Whether a channel of the all-reduced pack [N, sum x, sum x^2] of a float64
+// input is so far from zero against its spread that P2 - P1 * mean cancelled
+// more than 10 bits (|mean|/std above about 32; its relative error is about
+// 1e-16 (mean/std)^2): then the variance is summed again around the mean.
+// Only float64 inputs are checked, on every device, so the decision depends on
+// nothing that may differ between ranks but the pack, which every rank holds
+// bit for bit: a rank on CPU and one on CUDA decide alike. Other dtypes keep
+// within their own precision to |mean|/std ~ 1e5 (the pack is float64) and
+// CUDA's sync-free path; float64 CUDA inputs pay one sync for the check.
 bool illConditioned(const at::Tensor& x, const at::Tensor& pack) {
-  if (!pack.is_cpu() && x.scalar_type() != at::kDouble) return false;
+  if (x.scalar_type() != at::kDouble) return false;
   const at::Tensor p = pack.to(at::kCPU).contiguous();
   const int64_t C = p.size(1);
   const double* d = p.const_data_ptr<double>();
-  const double limit = cancellationLimit(x);
   for (int64_t c = 0; c < C; ++c) {
     const double n = d[c], s1 = d[C + c], s2 = d[2 * C + c];
     if (!(n > 1) || !(s2 > 0)) continue;  // empty, single or all-zero; NaN stays as is
-    if (s2 - s1 * (s1 / n) <= s2 * limit) return true;  // NaN/inf compare false
+    if (s2 - s1 * (s1 / n) <= s2 * 0x1p-10) return true;  // NaN/inf compare false
   }
   return false;
 }
 
 // (mean, invstd, var_unbiased) as bnFinalize gives them, from a second
-// all-reduce of [sum (x - m), sum (x - m)^2] around the pack's mean m: the
-// cancellation is then only in m's last digits.
+// all-reduce of [sum (x - m), sum (x - m)^2, 1] around the pack's mean m: the
+// cancellation is then only in m's last digits. The trailing 1 must sum to the
+// group's size: a rank that did not recentre (a backend whose all-reduce gave
+// the ranks different bits) would otherwise have paired this payload with its
+// backward's [2, C] sums, silently.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> recentredStats(
     const at::Tensor& x, const at::Tensor& pack, double eps, c10::ScalarType statDtype,
     const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  const int64_t C = x.size(1);
   const at::Tensor n = pack[0], safe = n.clamp_min(1.0);
   const at::Tensor m = pack[1] / safe;
   std::vector<int64_t> dims, shape(x.dim(), 1);
   for (int64_t d = 0; d < x.dim(); ++d) {
     if (d != 1) dims.push_back(d);
   }
-  shape[1] = x.size(1);
+  shape[1] = C;
   const at::Tensor centred = x.to(at::kDouble) - m.view(shape);
-  at::Tensor sums = at::stack({centred.sum(dims), centred.square().sum(dims)});
+  at::Tensor sums = at::cat({centred.sum(dims), centred.square().sum(dims),
+                             at::ones({1}, centred.options())});
   allReduceSum(group, sums);
-  const at::Tensor s1 = sums[0], s2 = sums[1];
+  const double marker = sums[2 * C].item<double>();
+  TORCH_CHECK(marker == worldSize(group), "[ringreduce] SyncBatchNorm on rank ",
+              group ? group->getRank() : 0, ": its second all-reduce (channel statistics "
+              "summed around the mean, for a float64 input whose |mean| dwarfs its std) "
+              "met a different collective on another rank (marker ", marker, ", want ",
+              worldSize(group), "): the ranks disagreed on whether to recentre, so their "
+              "first all-reduce did not give every rank the same bits, or their inputs "
+              "differ in dtype");
+  const at::Tensor s1 = sums.narrow(0, 0, C), s2 = sums.narrow(0, C, C);
   const at::Tensor mean = m + s1 / safe;
   const at::Tensor var = ((s2 - s1 * (s1 / safe)) / safe).clamp_min(0.0);
   const at::Tensor invstd = (var + eps).rsqrt();
