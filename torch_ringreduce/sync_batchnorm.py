@@ -231,7 +231,8 @@ def _known_count(x, count, world_size):
 # ------------------------------------------------------------------ autograd
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """x, weight, bias -> y; running stats updated in place. One collective per pass."""
+    """x, weight, bias -> y; running stats updated in place. One collective per pass
+    (two in a forward whose float64 channels need recentring)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked,
