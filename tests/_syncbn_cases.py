@@ -266,6 +266,22 @@ def one_value_error(ctx, sizes, tail):
     return message, int(bn.num_batches_tracked)
 
 
+def integer_input(ctx):
+    """Remote: an int64 batch, empty on rank 1 (no per-channel tensors to compare
+    dtypes with); (error type, message) on this rank, then a checked all-reduce
+    to show the group is still in step."""
+    bn = SyncBatchNorm(3, affine=False, track_running_stats=False)
+    x = torch.ones(0 if ctx.rank == 1 else 4, 3, dtype=torch.int64)
+    try:
+        bn(x)
+        outcome = (None, None)
+    except Exception as err:  # noqa: BLE001 - the type is the check
+        outcome = (type(err).__name__, str(err))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return outcome + (t.item(),)
+
+
 def recentre_disagreement(ctx, python_function):
     """Remote (2 ranks): rank 0 trains a float64 SyncBatchNorm on a batch whose
     mean is 1e6 std, rank 1 a float32 one (the ill-conditioned check is float64's

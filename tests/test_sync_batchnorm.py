@@ -19,7 +19,7 @@ from torch import nn
 
 import torch_ringreduce
 from _syncbn_cases import (Case, compare, compare_kernels, even_sizes, make_batch, numerics,
-                           one_value_error, recentre_disagreement, run_cases, run_cases_count_unknown,
+                           integer_input, one_value_error, recentre_disagreement, run_cases, run_cases_count_unknown,
                            run_cases_on_gloo, run_cases_python_function, run_subgroups)
 from torch_ringreduce import _syncbn_reference as ref_kernels
 from torch_ringreduce.sync_batchnorm import SyncBatchNorm, kernel_source, revert_sync_batchnorm
@@ -207,6 +207,15 @@ def test_dtypes_checked_like_nn(input_dtype):
             else:
                 tol = TOL[input_dtype]
                 torch.testing.assert_close(ours, want, atol=tol, rtol=tol)
+
+
+def test_integer_input_raises_on_every_rank(worlds):
+    """nn's NotImplementedError on every rank, the empty one too, before any
+    collective (the empty rank used to wait alone in the all-reduce)."""
+    for kind, message, total in worlds.run(2, integer_input):
+        assert kind == "NotImplementedError", (kind, message)
+        assert "not implemented for input dtype torch.int64" in message, message
+        assert total == 2.0
 
 
 def test_input_dims_checked():

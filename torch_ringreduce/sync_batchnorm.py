@@ -140,12 +140,20 @@ def _check_per_channel(channels, *tensors):
 
 
 _REDUCED = (torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = (torch.float32, torch.float64) + _REDUCED
 
 
 def _check_dtypes(input, weight, bias, running_mean, running_var):
     """nn.BatchNorm's dtype rule, before any collective: the per-channel
     tensors all have the input's dtype, or all float32 for a bfloat16/float16
-    input. nn raises RuntimeError; so do we, naming the tensor."""
+    input. nn raises RuntimeError; so do we, naming the tensor. An input that is
+    not floating point raises nn's NotImplementedError on every rank, its batch
+    empty or not (nn returns an empty batch as it is; a rank that did would
+    leave the others alone in the all-reduce)."""
+    if input.dtype not in _KERNEL_DTYPES:
+        raise NotImplementedError(
+            f"SyncBatchNorm: \"batch_norm\" not implemented for input dtype {input.dtype} "
+            f"(float32, float64, float16 or bfloat16)")
     given = [(name, t) for name, t in (("weight", weight), ("bias", bias),
                                        ("running_mean", running_mean),
                                        ("running_var", running_var)) if t is not None]
