@@ -266,6 +266,43 @@ def one_value_error(ctx, sizes, tail):
     return message, int(bn.num_batches_tracked)
 
 
+def float32_ill_conditioned(ctx, sizes):
+    """Remote: float32 channels no float32 sum can hold (constant at 12345.678 and at
+    9.0296848e7; Gaussian std 1 around 1e7), ours against nn.BatchNorm1d in float64
+    on the same float32 values. {name: (ours, want)} as float64 CPU tensors, and the
+    collectives of the forward."""
+    gen = torch.Generator().manual_seed(5)
+    total = sum(sizes)
+    full = torch.randn(total, 3, generator=gen, dtype=torch.float64)
+    full[:, 0] = 12345.678
+    full[:, 1] = 9.0296848e7
+    full[:, 2] += 1e7
+    full = full.float()
+    dy = torch.randn(total, 3, generator=gen)
+    weight, bias = 1 + 0.2 * torch.randn(3, generator=gen), 0.2 * torch.randn(3, generator=gen)
+    lo = sum(sizes[:ctx.rank])
+    hi = lo + sizes[ctx.rank]
+    ours, ref = SyncBatchNorm(3), nn.BatchNorm1d(3).double()
+    with torch.no_grad():
+        for module in (ours, ref):
+            module.weight.copy_(weight)
+            module.bias.copy_(bias)
+    x = full[lo:hi].clone().requires_grad_()
+    counter = CollectiveCounter(None)
+    before = counter.count()
+    y = ours(x)
+    calls = counter.count() - before
+    y.backward(dy[lo:hi])
+    xr = full.double().requires_grad_()
+    yr = ref(xr)
+    yr.backward(dy.double())
+    pairs = {"y (constant channels)": (y[:, :2], yr[lo:hi, :2]),
+             "dx (constant channels)": (x.grad[:, :2], xr.grad[lo:hi, :2]),
+             "running_var": (ours.running_var, ref.running_var),
+             "running_mean": (ours.running_mean, ref.running_mean)}
+    return {k: (a.detach().double(), b.detach().double()) for k, (a, b) in pairs.items()}, calls
+
+
 def integer_input(ctx):
     """Remote: an int64 batch, empty on rank 1 (no per-channel tensors to compare
     dtypes with); (error type, message) on this rank, then a checked all-reduce
@@ -284,9 +321,10 @@ def integer_input(ctx):
 
 def recentre_disagreement(ctx, python_function):
     """Remote (2 ranks): rank 0 trains a float64 SyncBatchNorm on a batch whose
-    mean is 1e6 std, rank 1 a float32 one (the ill-conditioned check is float64's
-    alone), and then issues an all-reduce of the size of rank 0's second one, as
-    a backend that pairs mismatched collectives would. Rank 0's error, or None."""
+    mean is 1e3 std, rank 1 a float32 one (float64 recentres from |mean|/std ~ 32,
+    the others from ~ 3e4), and then issues an all-reduce of the size of rank 0's
+    second one, as a backend that pairs mismatched collectives would. Rank 0's
+    error, or None."""
     import types
 
     from torch_ringreduce import sync_batchnorm
@@ -299,7 +337,7 @@ def recentre_disagreement(ctx, python_function):
     channels = 3
     dtype = torch.float64 if ctx.rank == 0 else torch.float32
     bn = SyncBatchNorm(channels).to(dtype)
-    x = make_batch(11 + ctx.rank, 6, (channels,), mean=1e6, dtype=dtype)
+    x = make_batch(11 + ctx.rank, 6, (channels,), mean=1e3, dtype=dtype)
     try:
         bn(x)
         if ctx.rank == 1:

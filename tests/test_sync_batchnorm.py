@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import torch_ringreduce
-from _syncbn_cases import (Case, compare, compare_kernels, even_sizes, make_batch, numerics,
-                           integer_input, one_value_error, recentre_disagreement, run_cases, run_cases_count_unknown,
+from _syncbn_cases import (Case, compare, compare_kernels, even_sizes, float32_ill_conditioned,
+                           make_batch, numerics, integer_input, one_value_error, recentre_disagreement, run_cases, run_cases_count_unknown,
                            run_cases_on_gloo, run_cases_python_function, run_subgroups)
 from torch_ringreduce import _syncbn_reference as ref_kernels
 from torch_ringreduce.sync_batchnorm import SyncBatchNorm, kernel_source, revert_sync_batchnorm
@@ -209,6 +209,23 @@ def test_dtypes_checked_like_nn(input_dtype):
                 torch.testing.assert_close(ours, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, rows, far", [(torch.float32, 40_000, 0.0),
+                                              (torch.float64, 8, 1e6)],
+                         ids=["chunked", "recentred"])
+def test_an_infinite_value_makes_running_mean_infinite_as_nn(dtype, rows, far):
+    """+-inf in a channel: running_mean is +-inf, as nn's (the chunk merge and the
+    recentred mean made it NaN: inf - inf). One rank; rows=40000 splits the CPU
+    statistics into chunks; far = another channel's mean, which makes a float64
+    batch take the recentring."""
+    x = torch.randn(rows, 2, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    x[:, 1] += far
+    x[rows // 3, 0] = float("-inf")
+    ours, ref = SyncBatchNorm(2, momentum=1.0).to(dtype), nn.BatchNorm1d(2, momentum=1.0).to(dtype)
+    ours(x), ref(x)
+    assert ours.running_mean[0].item() == float("-inf")
+    torch.testing.assert_close(ours.running_mean, ref.running_mean, rtol=1e-6, atol=1e-6)
+
+
 def test_integer_input_raises_on_every_rank(worlds):
     """nn's NotImplementedError on every rank, the empty one too, before any
     collective (the empty rank used to wait alone in the all-reduce)."""
@@ -279,6 +296,20 @@ def test_numerics_large_mean_recentred(worlds, path):
         results = worlds.run(4, run_cases if path == "fused" else run_cases_count_unknown,
                              LARGE_MEAN)
     _assert_large_mean(LARGE_MEAN, results, path)
+
+
+def test_float32_constant_and_far_off_channels_recentred(worlds):
+    """float32 statistics, every rank on the CPU: a constant channel's variance is 0
+    and a channel at 1e7 with std 1 gets its variance to float32's precision (without
+    the recentring, running_var was off by 1.5e-3 here; in a fuzz's channels_last
+    case a constant channel's variance came out 2e-8 at 12345.678 and 1.5 at 9e7,
+    dx off by 0.1% and 100%)."""
+    for rank, (pairs, calls) in enumerate(worlds.run(4, float32_ill_conditioned, [5, 3, 0, 4])):
+        assert calls == 2, f"rank {rank}: {calls} collectives in the forward"
+        for name, (got, want) in pairs.items():
+            scale = want.abs().max().item() if want.numel() else 0.0
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * max(1.0, scale),
+                                       msg=lambda m, n=name, r=rank: f"rank {r}, {n}: {m}")
 
 
 @pytest.mark.parametrize("path", ["fused", "python"])

@@ -48,7 +48,9 @@ def bn_stats_pack(x):
     channels, n = x.shape[1], _count(x)
     if n == 0:
         return torch.zeros((3, channels), dtype=torch.float64, device=x.device)
-    var, mean = torch.var_mean(x.to(torch.float64), dim=_reduce_dims(x), correction=0)
+    x64 = x.to(torch.float64)
+    mean = x64.mean(_reduce_dims(x))  # var_mean's Welford makes a +-inf mean NaN
+    var = x64.var(_reduce_dims(x), correction=0)
     m2 = var * n
     return torch.stack([torch.full_like(mean, n), mean * n, m2 + mean * mean * n])
 

@@ -11,7 +11,7 @@ more dims run as (N, C, L)). The module and the functional form share one
 training pass, _sync_batch_norm_train. Training, per pass (DESIGN.md "Sync
 batch norm"):
 
-    forward:  bn_stats_pack -> all_reduce SUM of fp64 [3, C] -> bn_finalize -> bn_forward
+    forward:  bn_stats_pack -> all_reduce SUM of fp64 [3, C] + 1 -> bn_finalize -> bn_forward
     backward: bn_backward_reduce -> all_reduce SUM of fp64 [2, C] -> bn_backward_elemt
 
 The payload does not grow with the world size; uneven and empty batches are
@@ -21,12 +21,16 @@ torch.distributed. The kernels are torch_ringreduce._C's where the extension has
 them for the tensor's device, else the pure-torch _syncbn_reference.
 
 Ill-conditioned channels. The pack's variance is P2/N - mean^2, whose relative
-error is about 1e-16 (mean/std)^2. When a channel of a float64 input's
-all-reduced pack has cancelled more than 10 bits (|mean|/std above about 32),
-every rank (all hold the same pack) sums [sum (x - m), sum (x - m)^2] around
-the pack's mean m and all-reduces that too: two collectives in that forward, as
-exact as nn.BatchNorm on the whole batch. Other dtypes are not checked: their
-own precision runs out first (the pack is float64).
+error is about 1e-16 (mean/std)^2. When a channel of the all-reduced pack has
+cancelled more bits than the statistics can spare (float64 inputs: 10 bits,
+|mean|/std above about 32; the others: 30 bits, above about 3e4, or a constant
+non-zero channel), every rank (all hold the same pack) sums
+[sum (x - m), sum (x - m)^2, 1] around the pack's mean m and all-reduces that
+too: two collectives in that forward, as exact as nn.BatchNorm on the whole
+batch. The check reads the pack on the host: float64 inputs always (one sync
+on CUDA); the others only when every rank's pack is on the CPU, which the
+forward's all-reduce tells every rank (it carries the number of GPU ranks
+after the pack), so that all decide alike without a sync on any GPU rank.
 
 Host synchronisation. None on CUDA but for float64 inputs, whose pack is read
 on the host for the check above; momentum=None reads num_batches_tracked on
@@ -179,13 +183,31 @@ def _all_reduce(pack, group, world_size):
         dist.all_reduce(pack, op=dist.ReduceOp.SUM, group=group)
 
 
-def _ill_conditioned(x, pack):
-    """Whether a channel of a float64 input's pack cancelled more than 10 bits
-    (the fused op's rule: float64 inputs only, on every device)."""
-    if x.dtype != torch.float64:
+def _sum_pack(pack, group, world_size):
+    """(summed pack, all_on_host): the forward's one all-reduce carries the pack and
+    the number of ranks whose pack is on a GPU (the fused op's sumPack)."""
+    on_host = pack.device.type == "cpu"
+    if world_size <= 1:
+        return pack, on_host
+    flag = torch.full((1,), 0.0 if on_host else 1.0, dtype=pack.dtype, device=pack.device)
+    payload = torch.cat([pack.reshape(-1), flag])
+    _all_reduce(payload, group, world_size)
+    # A GPU rank knows the count is not 0 (its own 1 is in it) without reading it.
+    all_on_host = on_host and float(payload[-1]) == 0.0
+    return payload[:-1].view(3, -1), all_on_host
+
+
+def _ill_conditioned(x, pack, all_on_host):
+    """Whether a channel's P2 - P1 * mean cancelled more bits than the statistics
+    can spare (the fused op's rule: float64 inputs past 10 bits on every device;
+    the others past 30 bits, only when every rank's pack is on the CPU)."""
+    float64 = x.dtype == torch.float64
+    if not float64 and not all_on_host:
         return False
     n, s1, s2 = pack.cpu().unbind(0)
-    ill = (n > 1) & (s2 > 0) & (s2 - s1 * (s1 / n) <= s2 * 2.0 ** -10)
+    limit = 2.0 ** (-10 if float64 else -30)
+    s2n = s2 * n
+    ill = (n > 1) & (s2 > 0) & (s2n - s1 * s1 <= s2n * limit)
     return bool(ill.any())
 
 
@@ -207,14 +229,15 @@ def _recentred_stats(x, pack, eps, dtype, group, world_size):
         rank = dist.get_rank(group) if world_size > 1 else 0
         raise RuntimeError(
             f"[ringreduce] SyncBatchNorm on rank {rank}: its second all-reduce (channel "
-            "statistics summed around the mean, for a float64 input whose |mean| dwarfs its "
+            "statistics summed around the mean, for a batch whose |mean| dwarfs its "
             f"std) met a different collective on another rank (marker {marker:g}, want "
             f"{world_size}): the ranks disagreed on whether to recentre, so their first "
             "all-reduce did not give every rank the same bits, or their inputs differ in dtype")
     s1, s2 = sums[:channels], sums[channels:2 * channels]
     var = ((s2 - s1 * (s1 / safe)) / safe).clamp_min(0.0)
     unbiased = torch.where(n > 1, var * n / (n - 1).clamp_min(1.0), var)
-    return (m + s1 / safe).to(dtype), (var + eps).rsqrt().to(dtype), unbiased.to(dtype)
+    mean = torch.where(m.isinf(), m, m + s1 / safe)  # inf - inf is no mean
+    return mean.to(dtype), (var + eps).rsqrt().to(dtype), unbiased.to(dtype)
 
 
 def _keep_when_empty(count, batch, running):
@@ -248,10 +271,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         x = x.contiguous(memory_format=_memory_format(x))
         k = _kernels(x.device.type)
         sd = _syncbn_reference.stat_dtype(x)
-        pack = k.bn_stats_pack(x)
-        _all_reduce(pack, group, world_size)
+        pack, all_on_host = _sum_pack(k.bn_stats_pack(x), group, world_size)
         count = pack[0].clone()  # a view would keep the whole [3, C] pack alive
-        if _ill_conditioned(x, pack):
+        if _ill_conditioned(x, pack, all_on_host):
             mean, invstd, var_unbiased = _recentred_stats(x, pack, eps, sd, group, world_size)
         else:
             mean, invstd, var_unbiased = k.bn_finalize(pack, eps, sd)

@@ -145,7 +145,10 @@ at::Tensor bnStatsPack(const at::Tensor& input) {
       double n = 0, mu = 0, s = 0;
       for (int64_t k = 0; k < chunks; ++k) {
         double nb = count[k], delta = mean[k * C + c] - mu, total = n + nb;
-        mu += delta * nb / total;
+        // An infinite mean stays infinite (inf - inf would make it NaN); the
+        // squares are NaN either way, as nn's.
+        mu = std::isfinite(delta) ? mu + delta * nb / total
+                                  : (n * mu + nb * mean[k * C + c]) / total;
         s += m2[k * C + c] + delta * delta * n * nb / total;
         n = total;
       }

@@ -3,6 +3,8 @@
 // the sizes SyncBN runs at; here a training step makes one Python call.
 #include "ops/sync_batch_norm.h"
 
+#include <cstring>
+
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 
@@ -52,26 +54,64 @@ int64_t knownCount(const at::Tensor& x, const at::Tensor& pack, int world, bool 
   return -1;
 }
 
-// Whether a channel of the all-reduced pack [N, sum x, sum x^2] of a float64
-// input is so far from zero against its spread that P2 - P1 * mean cancelled
-// more than 10 bits (|mean|/std above about 32; its relative error is about
-// 1e-16 (mean/std)^2): then the variance is summed again around the mean.
-// Only float64 inputs are checked, on every device, so the decision depends on
-// nothing that may differ between ranks but the pack, which every rank holds
-// bit for bit: a rank on CPU and one on CUDA decide alike. Other dtypes keep
-// within their own precision to |mean|/std ~ 1e5 (the pack is float64) and
-// CUDA's sync-free path; float64 CUDA inputs pay one sync for the check.
-bool illConditioned(const at::Tensor& x, const at::Tensor& pack) {
-  if (x.scalar_type() != at::kDouble) return false;
-  const at::Tensor p = pack.to(at::kCPU).contiguous();
+// The forward's one all-reduce carries the pack [N, sum x, sum x^2] and, after
+// it, the number of ranks whose pack is on a GPU: each rank learns whether
+// every rank can read the summed pack on the host for free.
+struct SummedPack {
+  at::Tensor pack;     // [3, C]
+  bool allOnHost;      // every rank's pack on the CPU (read for free on CPU ranks)
+};
+
+SummedPack sumPack(const at::Tensor& local, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  const int64_t C = local.size(1);
+  const bool onHost = local.is_cpu();
+  if (worldSize(group) <= 1) return {local, onHost};
+  at::Tensor payload = at::empty({3 * C + 1}, local.options());
+  if (onHost) {  // plain stores: a SyncBN layer's forward is a few tens of us
+    double* p = payload.data_ptr<double>();
+    std::memcpy(p, local.contiguous().const_data_ptr<double>(), 3 * C * sizeof(double));
+    p[3 * C] = 0.0;
+  } else {
+    payload.narrow(0, 0, 3 * C).copy_(local.reshape({-1}));
+    payload.narrow(0, 3 * C, 1).fill_(1.0);
+  }
+  allReduceSum(group, payload);
+  // A GPU rank knows the count is not 0 (its own 1 is in it) without reading it.
+  const bool allOnHost = onHost && payload.const_data_ptr<double>()[3 * C] == 0.0;
+  return {payload.narrow(0, 0, 3 * C).view({3, C}), allOnHost};
+}
+
+// Whether a channel of the summed pack is so far from zero against its spread
+// that P2 - P1 * mean cancelled more bits than the statistics can spare (its
+// relative error is about 1e-16 (mean/std)^2): then the variance is summed
+// again around the mean.
+// - float64 inputs: more than 10 bits (|mean|/std above about 32), on every
+//   device (float64 CUDA inputs pay one sync for the check).
+// - the others (float32 statistics): more than 30 bits (|mean|/std above
+//   about 3e4, or a constant non-zero channel), only when every rank's pack
+//   is on the CPU: a GPU rank never reads its pack for them (no sync), so
+//   every rank must then skip the check alike.
+// Every rank holds the same summed pack and the same count of GPU ranks, so
+// every rank decides alike: a second all-reduce on some ranks only would pair
+// with the others' backward [2, C] sums (gloo hands a mismatched all-reduce
+// wrong data on one side).
+bool illConditioned(const at::Tensor& x, const SummedPack& summed) {
+  const bool float64 = x.scalar_type() == at::kDouble;
+  if (!float64 && !summed.allOnHost) return false;
+  const at::Tensor p = summed.pack.is_cpu() ? summed.pack : summed.pack.to(at::kCPU);
   const int64_t C = p.size(1);
   const double* d = p.const_data_ptr<double>();
+  const double limit = float64 ? 0x1p-10 : 0x1p-30;
+  // N var * N = P2 N - P1^2 against P2 N 2^-k; empty, single and all-zero
+  // channels never count, and NaN/inf compare false. Branch-free, so the scan
+  // vectorises (the Python function evaluates the same expression).
+  bool ill = false;
   for (int64_t c = 0; c < C; ++c) {
     const double n = d[c], s1 = d[C + c], s2 = d[2 * C + c];
-    if (!(n > 1) || !(s2 > 0)) continue;  // empty, single or all-zero; NaN stays as is
-    if (s2 - s1 * (s1 / n) <= s2 * 0x1p-10) return true;  // NaN/inf compare false
+    const double s2n = s2 * n;
+    ill |= (n > 1) & (s2 > 0) & (s2n - s1 * s1 <= s2n * limit);
   }
-  return false;
+  return ill;
 }
 
 // (mean, invstd, var_unbiased) as bnFinalize gives them, from a second
@@ -98,13 +138,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recentredStats(
   const double marker = sums[2 * C].item<double>();
   TORCH_CHECK(marker == worldSize(group), "[ringreduce] SyncBatchNorm on rank ",
               group ? group->getRank() : 0, ": its second all-reduce (channel statistics "
-              "summed around the mean, for a float64 input whose |mean| dwarfs its std) "
+              "summed around the mean, for a batch whose |mean| dwarfs its std) "
               "met a different collective on another rank (marker ", marker, ", want ",
               worldSize(group), "): the ranks disagreed on whether to recentre, so their "
               "first all-reduce did not give every rank the same bits, or their inputs "
-              "differ in dtype");
+              "differ in dtype");  // device alike: sumPack's count of GPU ranks
   const at::Tensor s1 = sums.narrow(0, 0, C), s2 = sums.narrow(0, C, C);
-  const at::Tensor mean = m + s1 / safe;
+  const at::Tensor mean = at::where(m.isinf(), m, m + s1 / safe);  // inf - inf is no mean
   const at::Tensor var = ((s2 - s1 * (s1 / safe)) / safe).clamp_min(0.0);
   const at::Tensor invstd = (var + eps).rsqrt();
   const at::Tensor unbiased = at::where(n > 1, var * n / (n - 1).clamp_min(1.0), var);
@@ -129,15 +169,15 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     // strides) stay as they are; any other layout is copied once.
     const at::Tensor x = bnInput(input);
     const c10::ScalarType sd = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    at::Tensor pack = bnStatsPack(x);
-    allReduceSum(group, pack);
+    const SummedPack summed = sumPack(bnStatsPack(x), group);
+    const at::Tensor& pack = summed.pack;
     const int64_t total = knownCount(x, pack, world, hostCount);
     TORCH_CHECK_VALUE(total != 1, "Expected more than 1 value per channel when training, got ",
                       "input size ", x.sizes(),
                       world > 1 ? " (1 value per channel over the " + std::to_string(world) +
                                       " ranks of the group)"
                                 : std::string());
-    auto [mean, invstd, varUnbiased] = illConditioned(x, pack)
+    auto [mean, invstd, varUnbiased] = illConditioned(x, summed)
                                            ? recentredStats(x, pack, eps, sd, group)
                                            : bnFinalize(pack, eps, sd);
     at::Tensor rm = toStat(runningMean, sd), rv = toStat(runningVar, sd);
