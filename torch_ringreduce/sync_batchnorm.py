@@ -211,14 +211,14 @@ def _ill_conditioned(x, pack, all_on_host):
     return bool(ill.any())
 
 
-def _recentred_stats(x, pack, eps, dtype, group, world_size):
-    """bn_finalize's (mean, invstd, var_unbiased), from a second all-reduce of
-    [sum (x - m), sum (x - m)^2, 1] around the pack's mean m (the 1 must sum to
-    the world size: see the fused op's recentredStats)."""
+def _recentred_stats(x, pack, eps, dtype, group, world_size, finalize):
+    """(mean, invstd, var_unbiased) from a second all-reduce of
+    [sum (x - m), sum (x - m)^2, 1] around the pack's mean m: [N, S1, S2] is a pack
+    of x - m for `finalize`, the kernels' bn_finalize (the 1 must sum to the world
+    size: see the fused op's recentredStats)."""
     channels = x.shape[1]
     n = pack[0]
-    safe = n.clamp_min(1.0)
-    m = pack[1] / safe
+    m = pack[1] / n.clamp_min(1.0)
     centred = x.to(torch.float64) - _syncbn_reference._per_channel(m, x)
     dims = _syncbn_reference._reduce_dims(x)
     sums = torch.cat([centred.sum(dims), centred.square().sum(dims),
@@ -233,11 +233,10 @@ def _recentred_stats(x, pack, eps, dtype, group, world_size):
             f"std) met a different collective on another rank (marker {marker:g}, want "
             f"{world_size}): the ranks disagreed on whether to recentre, so their first "
             "all-reduce did not give every rank the same bits, or their inputs differ in dtype")
-    s1, s2 = sums[:channels], sums[channels:2 * channels]
-    var = ((s2 - s1 * (s1 / safe)) / safe).clamp_min(0.0)
-    unbiased = torch.where(n > 1, var * n / (n - 1).clamp_min(1.0), var)
-    mean = torch.where(m.isinf(), m, m + s1 / safe)  # inf - inf is no mean
-    return mean.to(dtype), (var + eps).rsqrt().to(dtype), unbiased.to(dtype)
+    centred_pack = torch.cat([n.unsqueeze(0), sums[:2 * channels].view(2, channels)])
+    shift, invstd, unbiased = finalize(centred_pack, eps, torch.float64)
+    mean = torch.where(m.isinf(), m, m + shift)  # inf - inf is no mean
+    return mean.to(dtype), invstd.to(dtype), unbiased.to(dtype)
 
 
 def _keep_when_empty(count, batch, running):
@@ -263,7 +262,7 @@ def _known_count(x, count, world_size):
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     """x, weight, bias -> y; running stats updated in place. One collective per pass
-    (two in a forward whose float64 channels need recentring)."""
+    (two in a forward whose channels need recentring)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked,
@@ -274,7 +273,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         pack, all_on_host = _sum_pack(k.bn_stats_pack(x), group, world_size)
         count = pack[0].clone()  # a view would keep the whole [3, C] pack alive
         if _ill_conditioned(x, pack, all_on_host):
-            mean, invstd, var_unbiased = _recentred_stats(x, pack, eps, sd, group, world_size)
+            mean, invstd, var_unbiased = _recentred_stats(x, pack, eps, sd, group, world_size,
+                                                          k.bn_finalize)
         else:
             mean, invstd, var_unbiased = k.bn_finalize(pack, eps, sd)
         rm, rv = _to_stat(running_mean, sd), _to_stat(running_var, sd)

@@ -114,9 +114,10 @@ bool illConditioned(const at::Tensor& x, const SummedPack& summed) {
   return ill;
 }
 
-// (mean, invstd, var_unbiased) as bnFinalize gives them, from a second
-// all-reduce of [sum (x - m), sum (x - m)^2, 1] around the pack's mean m: the
-// cancellation is then only in m's last digits. The trailing 1 must sum to the
+// (mean, invstd, var_unbiased) from a second all-reduce of
+// [sum (x - m), sum (x - m)^2, 1] around the pack's mean m: [N, S1, S2] is a
+// pack of x - m, which bnFinalize turns into its mean (m + that) and variance
+// with the cancellation only in m's last digits. The trailing 1 must sum to the
 // group's size: a rank that did not recentre (a backend whose all-reduce gave
 // the ranks different bits) would otherwise have paired this payload with its
 // backward's [2, C] sums, silently.
@@ -124,8 +125,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recentredStats(
     const at::Tensor& x, const at::Tensor& pack, double eps, c10::ScalarType statDtype,
     const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   const int64_t C = x.size(1);
-  const at::Tensor n = pack[0], safe = n.clamp_min(1.0);
-  const at::Tensor m = pack[1] / safe;
+  const at::Tensor n = pack[0];
+  const at::Tensor m = pack[1] / n.clamp_min(1.0);
   std::vector<int64_t> dims, shape(x.dim(), 1);
   for (int64_t d = 0; d < x.dim(); ++d) {
     if (d != 1) dims.push_back(d);
@@ -143,11 +144,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recentredStats(
               worldSize(group), "): the ranks disagreed on whether to recentre, so their "
               "first all-reduce did not give every rank the same bits, or their inputs "
               "differ in dtype");  // device alike: sumPack's count of GPU ranks
-  const at::Tensor s1 = sums.narrow(0, 0, C), s2 = sums.narrow(0, C, C);
-  const at::Tensor mean = at::where(m.isinf(), m, m + s1 / safe);  // inf - inf is no mean
-  const at::Tensor var = ((s2 - s1 * (s1 / safe)) / safe).clamp_min(0.0);
-  const at::Tensor invstd = (var + eps).rsqrt();
-  const at::Tensor unbiased = at::where(n > 1, var * n / (n - 1).clamp_min(1.0), var);
+  const at::Tensor centredPack = at::cat({n.unsqueeze(0), sums.narrow(0, 0, 2 * C).view({2, C})});
+  auto [shift, invstd, unbiased] = bnFinalize(centredPack, eps, at::kDouble);
+  const at::Tensor mean = at::where(m.isinf(), m, m + shift);  // inf - inf is no mean
   return {mean.to(statDtype), invstd.to(statDtype), unbiased.to(statDtype)};
 }
 
