@@ -225,6 +225,14 @@ class RingBackend : public c10d::Backend {
   // is inside a Future's callbacks (which may wait for that work). With mu_.
   void spawnWorkerLocked();
   void ensureWorkerLocked();
+  // Whether the calling thread is inside runEntry (shutdown() must not wait
+  // for its own op), and whether it is settling a Work (a Future callback:
+  // shutdown() must not join the workers). Thread-local (ring_queue.cpp).
+  static bool runningOpsHere();
+  static bool settlingHere();
+  // shutdown(): fails the dropped entries' Works in issue order, each whose
+  // Future was taken on a thread of its own (returned, to be joined).
+  std::vector<std::thread> failDropped(std::deque<Entry>& dropped, const std::string& why);
   // What a CUDA op's wait for its copies to the host checks (DeviceStage::
   // beforeRun): the group aborted, the op's deadline passed.
   std::function<void()> gpuWaitCheck(const OpInfo& op) const;

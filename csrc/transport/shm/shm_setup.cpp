@@ -108,6 +108,133 @@ void reclaimStaleSegments() {
   ::closedir(dir);
 }
 
+
+// What one rank's set-up of its host's segment (attach) holds: the segment's
+// name is in the store before the segment exists, so whichever rank outlives
+// a crash can unlink it; every rank does, once all have reported or given up.
+struct Mapped {
+  std::string name;
+  void* base = nullptr;  // null: not mapped (`why`), or alone on the host
+  std::string why;
+};
+
+struct SetUp {
+  Mesh& mesh;
+  StoreCalls& st;
+  const Members& members;
+  Clock::time_point deadline;
+  std::string prefix;
+  int leader;                   // the host's lowest rank: it creates the segment
+  std::vector<int> everyone;    // every other rank of the group
+  std::vector<int> hostPeers;   // the other ranks of this host
+  const std::string what = "setting up shared memory";
+
+  SetUp(Mesh& m, const Members& mem, Clock::time_point d)
+      : mesh(m), st(m.store()), members(mem), deadline(d), prefix(rankPrefix(m.rank(), m.size())),
+        leader(mem.ranks[0]) {
+    for (int r = 0; r < m.size(); ++r) {
+      if (r != m.rank()) everyone.push_back(r);
+    }
+    for (int r : mem.ranks) {
+      if (r != m.rank()) hostPeers.push_back(r);
+    }
+  }
+
+  std::string hostKey(const std::string& name) const {
+    return mesh.storeKey("shm/" + std::to_string(leader) + "/" + name);
+  }
+
+  // Reads a key another rank of this host sets, giving up early if one dies.
+  std::string getWatched(const std::string& key, const std::string& missing) {
+    std::string why = awaitKeyWatching(mesh, key, hostPeers, deadline, what, missing);
+    if (!why.empty()) throwTransportError(prefix + " " + what + ": " + why);
+    return st.get(key, deadline, what, missing);
+  }
+
+  // The leader: publishes the name, then creates and maps the segment and
+  // says whether it did.
+  Mapped createSegment(const Layout& layout) {
+    Mapped m;
+    reclaimStaleSegments();
+    m.name = "/" + segmentPrefix() + std::to_string(::getpid()) + "-" +
+             std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
+    st.set(hostKey("name"), m.name, deadline, what);
+    m.base = mapSegment(m.name, layout.total, true, &m.why);
+    if (m.base != nullptr) {
+      auto* h = new (m.base) SegmentHeader();
+      h->magic = kSegmentMagic;
+      h->size = members.size();
+      h->ringBytes = static_cast<int64_t>(layout.ringBytes);
+      h->stagingBytes = static_cast<int64_t>(layout.stagingBytes);
+      h->abortedFrom.store(0);
+      // Doorbells and ring counters start at zero (fresh pages are zeroed).
+      if (hooks().dieAfterCreate) ::raise(SIGKILL);
+    }
+    st.set(hostKey("created"), m.base != nullptr ? "1" : "0", deadline, what);
+    return m;
+  }
+
+  // The other ranks of the host: map the leader's segment once it says it
+  // created it, and check its header against this group.
+  Mapped openSegment(const Layout& layout) {
+    Mapped m;
+    const std::string lead = "rank " + std::to_string(leader);
+    m.name = getWatched(hostKey("name"),
+                        lead + " did not name the shared-memory segment within the group timeout");
+    std::string created;
+    try {
+      created = getWatched(hostKey("created"), lead +
+                                                   " did not create the shared-memory segment "
+                                                   "within the group timeout");
+    } catch (...) {
+      ::shm_unlink(m.name.c_str());  // the creator may have died after creating it
+      throw;
+    }
+    if (created != "1") return m;
+    m.base = mapSegment(m.name, layout.total, false, &m.why);
+    auto* h = static_cast<SegmentHeader*>(m.base);
+    if (m.base != nullptr &&
+        (h->magic != kSegmentMagic || h->size != members.size() ||
+         h->ringBytes != static_cast<int64_t>(layout.ringBytes) ||
+         h->stagingBytes != static_cast<int64_t>(layout.stagingBytes))) {
+      m.why = "segment header does not match this group";
+      ::munmap(m.base, layout.total);
+      m.base = nullptr;
+    }
+    return m;
+  }
+
+  // Every rank of the group reports; shared memory is used only if every rank
+  // that has local peers mapped its host's segment, so the choice of
+  // algorithms (which depends on it) is the same everywhere. Unlinks the
+  // name; unmaps `m` when not every rank mapped (false), raises when one
+  // never reported.
+  bool everyRankMapped(Mapped& m, size_t bytes) {
+    const bool ok = members.size() < 2 || m.base != nullptr;
+    const int size = mesh.size();
+    st.add(mesh.storeKey("shm/ok"), ok ? 1 : 0, deadline, what);
+    if (st.add(mesh.storeKey("shm/reported"), 1, deadline, what) == size) {
+      st.set(mesh.storeKey("shm/all"), "1", deadline, what);
+    }
+    const std::string missing =
+        awaitKeyWatching(mesh, mesh.storeKey("shm/all"), everyone, deadline, what,
+                         "not every rank reported within the group timeout");
+    if (!m.name.empty()) ::shm_unlink(m.name.c_str());  // idempotent; the mappings stay
+    if (!missing.empty()) {
+      if (m.base != nullptr) ::munmap(m.base, bytes);
+      throwTransportError(prefix + " " + what + ": " + missing);
+    }
+    if (st.add(mesh.storeKey("shm/ok"), 0, deadline, what) == size) return true;
+    if (m.base != nullptr) ::munmap(m.base, bytes);
+    m.base = nullptr;
+    if (debugEnabled()) {
+      fprintf(stderr, "%s shared memory not used (%s); staying on TCP\n", prefix.c_str(),
+              m.why.empty() ? "a rank of the group could not map its segment" : m.why.c_str());
+    }
+    return false;
+  }
+};
+
 }  // namespace
 
 // Test seams, set from Python by the fault tests only.
@@ -118,107 +245,19 @@ ShmTestHooks& hooks() {
 
 std::unique_ptr<Transport> attach(Mesh& mesh, Transport& p2p, const Topology& topology,
                                   Clock::time_point deadline) {
-  const int rank = mesh.rank(), size = mesh.size();
-  const std::string prefix = rankPrefix(rank, size);
-  StoreCalls& st = mesh.store();
-  const std::string what = "setting up shared memory";
-  Members members(topology.hosts[topology.hostOf[rank]], size, rank);
-  const int leader = members.ranks[0];
-  std::vector<int> everyone, hostPeers;
-  for (int r = 0; r < size; ++r) {
-    if (r != rank) everyone.push_back(r);
-  }
-  for (int r : members.ranks) {
-    if (r != rank) hostPeers.push_back(r);
-  }
-  // Reads a key another rank of this host sets, giving up early if one dies.
-  auto getWatched = [&](const std::string& key, const std::string& missing) {
-    std::string why = awaitKeyWatching(mesh, key, hostPeers, deadline, what, missing);
-    if (!why.empty()) throwTransportError(prefix + " " + what + ": " + why);
-    return st.get(key, deadline, what, missing);
-  };
-  auto hostKey = [&](const std::string& name) {
-    return mesh.storeKey("shm/" + std::to_string(leader) + "/" + name);
-  };
+  const int rank = mesh.rank();
+  Members members(topology.hosts[topology.hostOf[rank]], mesh.size(), rank);
+  SetUp setUp(mesh, members, deadline);
   // 1. Sizes: see layoutFor (every rank of the host computes the same).
   const Layout layout = layoutFor(members.size());
-  const size_t bytes = layout.total;
-  const int64_t ringBytes = static_cast<int64_t>(layout.ringBytes);
-  const int64_t stagingBytes = static_cast<int64_t>(layout.stagingBytes);
-  // 2. The host's lowest rank publishes the name, then creates the segment;
-  //    every rank of the host maps it. The name is in the store before the
-  //    segment exists, so whichever rank outlives a crash can unlink it;
-  //    every rank does, once all have reported or given up. A rank alone on
-  //    its host has nothing to map.
-  std::string name, why;
-  void* base = nullptr;
-  if (members.size() >= 2 && rank == leader) {
-    reclaimStaleSegments();
-    name = "/" + segmentPrefix() + std::to_string(::getpid()) + "-" +
-           std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
-    st.set(hostKey("name"), name, deadline, what);
-    base = mapSegment(name, bytes, true, &why);
-    if (base != nullptr) {
-      auto* h = new (base) SegmentHeader();
-      h->magic = kSegmentMagic;
-      h->size = members.size();
-      h->ringBytes = ringBytes;
-      h->stagingBytes = stagingBytes;
-      h->abortedFrom.store(0);
-      // Doorbells and ring counters start at zero (fresh pages are zeroed).
-      if (hooks().dieAfterCreate) ::raise(SIGKILL);
-    }
-    st.set(hostKey("created"), base != nullptr ? "1" : "0", deadline, what);
-  } else if (members.size() >= 2) {
-    const std::string lead = "rank " + std::to_string(leader);
-    name = getWatched(hostKey("name"),
-                      lead + " did not name the shared-memory segment within the group timeout");
-    std::string created;
-    try {
-      created = getWatched(hostKey("created"),
-                           lead + " did not create the shared-memory segment within the group "
-                                  "timeout");
-    } catch (...) {
-      ::shm_unlink(name.c_str());  // the creator may have died after creating it
-      throw;
-    }
-    if (created == "1") {
-      base = mapSegment(name, bytes, false, &why);
-      auto* h = static_cast<SegmentHeader*>(base);
-      if (base != nullptr && (h->magic != kSegmentMagic || h->size != members.size() ||
-                              h->ringBytes != ringBytes || h->stagingBytes != stagingBytes)) {
-        why = "segment header does not match this group";
-        ::munmap(base, bytes);
-        base = nullptr;
-      }
-    }
+  // 2. The host's segment, created by its lowest rank and mapped by the others.
+  Mapped mapped;
+  if (members.size() >= 2) {
+    mapped = rank == setUp.leader ? setUp.createSegment(layout) : setUp.openSegment(layout);
   }
-  // 3. Every rank of the group reports; shared memory is used only if every
-  //    rank that has local peers mapped its host's segment, so the choice of
-  //    algorithms (which depends on it) is the same everywhere.
-  const bool ok = members.size() < 2 || base != nullptr;
-  st.add(mesh.storeKey("shm/ok"), ok ? 1 : 0, deadline, what);
-  if (st.add(mesh.storeKey("shm/reported"), 1, deadline, what) == size) {
-    st.set(mesh.storeKey("shm/all"), "1", deadline, what);
-  }
-  const std::string missing =
-      awaitKeyWatching(mesh, mesh.storeKey("shm/all"), everyone, deadline, what,
-                       "not every rank reported within the group timeout");
-  if (!name.empty()) ::shm_unlink(name.c_str());  // idempotent; the mappings stay
-  if (!missing.empty()) {
-    if (base != nullptr) ::munmap(base, bytes);
-    throwTransportError(prefix + " " + what + ": " + missing);
-  }
-  const bool allMapped = st.add(mesh.storeKey("shm/ok"), 0, deadline, what) == size;
-  if (!allMapped) {
-    if (base != nullptr) ::munmap(base, bytes);
-    if (debugEnabled()) {
-      fprintf(stderr, "%s shared memory not used (%s); staying on TCP\n", prefix.c_str(),
-              why.empty() ? "a rank of the group could not map its segment" : why.c_str());
-    }
-    return nullptr;
-  }
-  if (base == nullptr) return nullptr;  // alone on this host
+  // 3. Whether every rank that has local peers mapped its host's segment.
+  if (!setUp.everyRankMapped(mapped, layout.total)) return nullptr;
+  if (mapped.base == nullptr) return nullptr;  // alone on this host
   const RingStores stores = hooks().ringStores == 1 ? RingStores::kStreaming
                             : hooks().ringStores == 0 || !mesh.waitPolicy().ranksFitCores()
                                 ? RingStores::kPlain
@@ -226,12 +265,13 @@ std::unique_ptr<Transport> attach(Mesh& mesh, Transport& p2p, const Topology& to
   static const char* const kStoreNames[] = {"plain", "streaming", "measured"};
   if (debugEnabled()) {
     fprintf(stderr,
-            "%s shared memory with %d rank(s) of this host: %zu bytes, %lld-byte rings "
-            "(%s stores), %lld-byte staging areas\n",
-            prefix.c_str(), members.size(), bytes, static_cast<long long>(ringBytes),
-            kStoreNames[static_cast<int>(stores)], static_cast<long long>(stagingBytes));
+            "%s shared memory with %d rank(s) of this host: %zu bytes, %zu-byte rings "
+            "(%s stores), %zu-byte staging areas\n",
+            setUp.prefix.c_str(), members.size(), layout.total, layout.ringBytes,
+            kStoreNames[static_cast<int>(stores)], layout.stagingBytes);
   }
-  return makeShmTransport(mesh, p2p, topology, std::move(members), base, layout, stores);
+  return makeShmTransport(mesh, p2p, topology, std::move(members), mapped.base, layout,
+                          stores);
 }
 
 }  // namespace shm

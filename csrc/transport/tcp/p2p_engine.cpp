@@ -7,23 +7,22 @@
 // unbounded buffering). A receive whose size or dtype does not match fails
 // alone and its payload is drained, so the connection stays usable. A broken
 // connection or a half-transferred timeout is fatal for the whole transport.
+//
+// This file: the engine's life (start, stop, fatal errors), posting and the
+// poll loop. The socket side (reads, matching, writes, deadlines) is in
+// p2p_wire.cpp, the threads and the watcher in p2p_threads.cpp.
 #include "transport/tcp/p2p_engine.h"
 
 #include <fcntl.h>
-#include <poll.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
-#include <c10/util/Logging.h>
 #include <c10/util/ScopeExit.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
-#include "common/rescue.h"
-#include "common/thread_name.h"
 #include "common/wait_hook.h"
 #include "transport/tcp/socket.h"
 
@@ -32,10 +31,6 @@ namespace tcp {
 namespace {
 
 thread_local bool tInFatal = false;  // this thread runs onFatal_ (stop() must not wait for it)
-
-bool retryable() {
-  return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
-}
 
 }  // namespace
 
@@ -70,23 +65,6 @@ P2PEngine::P2PEngine(Private, int rank, int size, std::vector<int> fds,
               " pipe2 failed: ", std::strerror(errno));
 }
 
-void P2PEngine::spawnLocked() {
-  threads_.emplace_back([self = shared_from_this()] {
-    nameThisThread("rr-p2p");
-    blockingHook() = {[](void* engine, bool certain) {
-                        static_cast<P2PEngine*>(engine)->beforeBlocking(certain);
-                      },
-                      self.get()};
-    self->loop();
-  });
-  ++live_;
-  // Started after stop() let the threads go: nobody will join it.
-  if (detachNew_) {
-    threads_.back().detach();
-    threads_.pop_back();
-  }
-}
-
 // Every thread owns the engine, and a thread leaves loop() only after stop()
 // took it out of threads_: this runs once they are all gone (on the last of
 // them, or on the thread that dropped the last reference).
@@ -104,20 +82,7 @@ void P2PEngine::stop() {
   std::vector<Completion> orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // A clean leave (nothing failed) tells each peer so, after its last whole
-    // message: a receive from any source there then waits for the others
-    // instead of failing the group at this connection's end. Not after part
-    // of a message (the end mid-message is an error there), and best effort
-    // (a full socket buffer: no farewell, the end is an error as before).
-    if (failed_.empty() && !stopping_) {
-      WireHeader bye{kWireMagic, static_cast<uint8_t>(OpKind::kLeave), 0, kNoReduceOp, 0,
-                     kNoRoot, 0, 0, kUnchecked, 0, 0};
-      for (int peer = 0; peer < size_; ++peer) {
-        if (peer == rank_ || fds_[peer] < 0) continue;
-        if (!sends_[peer].empty() && sends_[peer].front().done > 0) continue;
-        (void)!::send(fds_[peer], &bye, sizeof(bye), MSG_NOSIGNAL | MSG_DONTWAIT);
-      }
-    }
+    if (failed_.empty() && !stopping_) sayFarewellLocked();
     stopping_ = true;
     if (fromCallback) detachNew_ = true;
     // The pending ops fail through ready_, run by the threads on their way
@@ -145,6 +110,25 @@ void P2PEngine::stop() {
     fatalCv_.wait_for(lock, std::chrono::seconds(10), [this] { return fatalInFlight_ == 0; });
   }
   for (auto& [cb, args] : orphans) cb(args.first, args.second);
+  endThreads(fromCallback);
+}
+
+void P2PEngine::sayFarewellLocked() {
+  // A clean leave (nothing failed) tells each peer so, after its last whole
+  // message: a receive from any source there then waits for the others
+  // instead of failing the group at this connection's end. Not after part
+  // of a message (the end mid-message is an error there), and best effort
+  // (a full socket buffer: no farewell, the end is an error as before).
+  WireHeader bye{kWireMagic, static_cast<uint8_t>(OpKind::kLeave), 0, kNoReduceOp, 0,
+                 kNoRoot, 0, 0, kUnchecked, 0, 0};
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_ || fds_[peer] < 0) continue;
+    if (!sends_[peer].empty() && sends_[peer].front().done > 0) continue;
+    (void)!::send(fds_[peer], &bye, sizeof(bye), MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+}
+
+void P2PEngine::endThreads(bool detach) {
   // Joined until none is left: one blocked in a callback may start another.
   while (true) {
     std::vector<std::thread> threads;
@@ -154,7 +138,7 @@ void P2PEngine::stop() {
     }
     if (threads.empty()) break;
     for (auto& t : threads) {
-      if (fromCallback) {
+      if (detach) {
         t.detach();
       } else {
         t.join();
@@ -170,7 +154,7 @@ void P2PEngine::stop() {
   }
   watchCv_.notify_all();
   if (watcher.joinable()) {
-    if (fromCallback) {
+    if (detach) {
       watcher.detach();
     } else {
       watcher.join();
@@ -262,260 +246,6 @@ void P2PEngine::fatal(const std::string& reason, std::vector<Completion>& done) 
   failAll(full, done);
 }
 
-bool P2PEngine::wantsRead(int peer) const {
-  if (left_[peer]) return false;
-  const Incoming& in = incoming_[peer];
-  if (in.headerDone == sizeof(WireHeader)) return in.matched || in.draining || in.buffering;
-  if (in.headerDone > 0) return true;
-  for (const auto& r : recvs_) {
-    if (!r.claimed && (r.peer == peer || r.peer == -1)) return true;
-  }
-  return false;
-}
-
-void P2PEngine::matchHeader(int peer, std::vector<Completion>& done) {
-  Incoming& in = incoming_[peer];
-  const WireHeader& h = in.header;
-  if (h.magic == kWireMagic && h.kind == static_cast<uint8_t>(OpKind::kLeave)) {
-    left_[peer] = 1;
-    in = Incoming{};
-    matchBuffered(done);  // what it sent before leaving is still received
-    failForLeftLocked(done);
-    return;
-  }
-  if (h.magic != kWireMagic || h.kind != static_cast<uint8_t>(OpKind::kSend)) {
-    fatal(rankPrefix(rank_, size_) + " protocol error on the p2p connection from rank " +
-              std::to_string(peer) + " (" + addrs_[peer] + "): bad message header",
-          done);
-    return;
-  }
-  // A receive takes an earlier message of its tag read aside first.
-  matchBuffered(done);
-  bool someoneWaits = false;
-  for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
-    // A claimed receive already takes another peer's message (any-source
-    // receives match whichever header arrives first, and only that one).
-    if (it->claimed || (it->peer != peer && it->peer != -1)) continue;
-    someoneWaits = true;
-    if (it->tag != h.step) continue;
-    const std::string what = disagreement(*it, h);
-    if (!what.empty()) {
-      done.push_back({std::move(it->cb),
-                      {peer, transportError(it->op.ctx.message(
-                                 "from rank " + std::to_string(peer) + " tag " +
-                                 std::to_string(h.step) + ": " + what))}});
-      recvs_.erase(it);
-      in.draining = true;
-    } else {
-      it->claimed = true;
-      in.match = it;
-      in.matched = true;
-    }
-    return;
-  }
-  if (someoneWaits) {
-    try {
-      in.aside.resize(h.bytes);
-    } catch (const std::exception& err) {  // bad_alloc: on this thread it would terminate
-      fatal(rankPrefix(rank_, size_) + " cannot read aside a message of " +
-                std::to_string(h.bytes) + " bytes from rank " + std::to_string(peer) +
-                " (send tag " + std::to_string(h.step) + ", no receive posted for it yet) " +
-                "while a receive for another tag from that rank waits: " + err.what() +
-                "; post the receive for that tag first",
-            done);
-      return;
-    }
-    in.buffering = true;
-  }
-}
-
-std::string P2PEngine::disagreement(const Recv& r, const WireHeader& h) {
-  if (h.bytes != r.bytes) {
-    return "byte count mismatch: got " + std::to_string(h.bytes) + ", expected " +
-           std::to_string(r.bytes);
-  }
-  if (h.dtype != r.op.dtype) {
-    return "dtype mismatch: the sender sent " + dtypeName(static_cast<c10::ScalarType>(h.dtype));
-  }
-  return "";
-}
-
-void P2PEngine::matchBuffered(std::vector<Completion>& done) {
-  for (auto it = recvs_.begin(); it != recvs_.end();) {
-    bool taken = false;
-    for (int peer = 0; peer < size_ && !it->claimed && !taken; ++peer) {
-      if (it->peer != peer && it->peer != -1) continue;
-      auto& queue = buffered_[peer];
-      auto msg = std::find_if(queue.begin(), queue.end(),
-                              [&](const Buffered& b) { return b.header.step == it->tag; });
-      if (msg == queue.end()) continue;
-      const std::string what = disagreement(*it, msg->header);
-      if (what.empty()) {
-        std::memcpy(it->data, msg->payload.data(), msg->payload.size());
-        done.push_back({std::move(it->cb), {peer, nullptr}});
-      } else {
-        done.push_back({std::move(it->cb),
-                        {peer, transportError(it->op.ctx.message(
-                                   "from rank " + std::to_string(peer) + " tag " +
-                                   std::to_string(it->tag) + ": " + what))}});
-      }
-      queue.erase(msg);
-      taken = true;
-    }
-    it = taken ? recvs_.erase(it) : std::next(it);
-  }
-}
-
-void P2PEngine::failForLeftLocked(std::vector<Completion>& done) {
-  int remaining = 0;  // peers still in the group
-  for (int peer = 0; peer < size_; ++peer) remaining += peer != rank_ && !left_[peer];
-  if (remaining == size_ - 1) return;
-  const std::string left = " left the group (destroy_process_group)";
-  for (auto it = recvs_.begin(); it != recvs_.end();) {
-    const bool gone = it->peer >= 0 ? left_[it->peer] != 0 : remaining == 0;
-    if (it->claimed || !gone) {
-      ++it;
-      continue;
-    }
-    const std::string who = it->peer >= 0 ? "rank " + std::to_string(it->peer) + left
-                                          : "every other rank" + left;
-    done.push_back({std::move(it->cb),
-                    {it->peer, transportError(it->op.ctx.message(
-                                   who + " before sending a message for this receive"))}});
-    it = recvs_.erase(it);
-  }
-  for (int peer = 0; peer < size_; ++peer) {
-    if (!left_[peer]) continue;
-    for (auto& send : sends_[peer]) {
-      done.push_back({std::move(send.cb),
-                      {peer, transportError(send.op.ctx.message(
-                                 "rank " + std::to_string(peer) + left +
-                                 " before this message was sent"))}});
-    }
-    sends_[peer].clear();
-  }
-}
-
-void P2PEngine::readFrom(int peer, std::vector<Completion>& done) {
-  Incoming& in = incoming_[peer];
-  char scratch[64 * 1024];
-  while (!left_[peer]) {
-    bool inHeader = in.headerDone < sizeof(WireHeader);
-    if (!inHeader && !in.matched && !in.draining && !in.buffering) {
-      return;  // waiting for a matching recv
-    }
-    size_t remaining = inHeader ? sizeof(WireHeader) - in.headerDone : in.header.bytes - in.dataDone;
-    if (!inHeader && remaining == 0) {
-      if (in.matched) {
-        done.push_back({std::move(in.match->cb), {peer, nullptr}});
-        recvs_.erase(in.match);
-      } else if (in.buffering) {
-        buffered_[peer].push_back({in.header, std::move(in.aside)});
-      }
-      in = Incoming{};
-      if (!wantsRead(peer)) return;
-      continue;
-    }
-    char* dst = inHeader ? reinterpret_cast<char*>(&in.header) + in.headerDone
-                : in.matched ? in.match->data + in.dataDone
-                : in.buffering ? in.aside.data() + in.dataDone
-                : scratch;
-    size_t want = in.draining ? std::min(remaining, sizeof(scratch)) : remaining;
-    ssize_t r = ::recv(fds_[peer], dst, want, MSG_DONTWAIT);
-    if (r == 0 || (r < 0 && !retryable())) {
-      std::string why = r == 0 ? "connection closed by the peer (it exited or aborted)"
-                               : std::strerror(errno);
-      fatal(rankPrefix(rank_, size_) + " p2p connection with rank " + std::to_string(peer) +
-                " (" + addrs_[peer] + "): " + why,
-            done);
-      return;
-    }
-    if (r < 0) return;
-    if (inHeader) {
-      in.headerDone += static_cast<size_t>(r);
-      if (in.headerDone == sizeof(WireHeader)) matchHeader(peer, done);
-    } else {
-      in.dataDone += static_cast<size_t>(r);
-    }
-  }
-}
-
-std::atomic<int64_t>& testFailSendTag() {
-  static std::atomic<int64_t> tag{-1};
-  return tag;
-}
-
-void P2PEngine::writeTo(int peer, std::vector<Completion>& done) {
-  auto& queue = sends_[peer];
-  while (!queue.empty()) {
-    Send& s = queue.front();
-    if (s.done == 0 && static_cast<int64_t>(s.header.step) ==
-                           testFailSendTag().load(std::memory_order_relaxed)) {
-      fatal(s.op.ctx.message("send to rank " + std::to_string(peer) +
-                             " failed: injected (testing)"),
-            done);
-      return;
-    }
-    size_t total = sizeof(WireHeader) + s.header.bytes;
-    iovec iov[2];
-    int n = 0;
-    if (s.done < sizeof(WireHeader)) {
-      iov[n++] = {reinterpret_cast<char*>(&s.header) + s.done, sizeof(WireHeader) - s.done};
-      iov[n++] = {const_cast<char*>(s.data), s.header.bytes};
-    } else {
-      iov[n++] = {const_cast<char*>(s.data) + (s.done - sizeof(WireHeader)), total - s.done};
-    }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = n;
-    ssize_t r = total == s.done ? 0 : sendmsg(fds_[peer], &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (r < 0) {
-      if (retryable()) return;
-      fatal(s.op.ctx.message("send to rank " + std::to_string(peer) + " (" + addrs_[peer] +
-                             ") failed: " + std::strerror(errno)),
-            done);
-      return;
-    }
-    s.done += static_cast<size_t>(r);
-    if (s.done < total) return;
-    done.push_back({std::move(s.cb), {peer, nullptr}});
-    queue.pop_front();
-  }
-}
-
-void P2PEngine::expire(std::vector<Completion>& done) {
-  const auto now = Clock::now();
-  for (int peer = 0; peer < size_; ++peer) {
-    auto& queue = sends_[peer];
-    if (!queue.empty() && queue.front().op.deadline <= now) {
-      fatal(queue.front().op.ctx.message("send to rank " + std::to_string(peer) +
-                                         " timed out after sending " +
-                                         std::to_string(queue.front().done) + " of " +
-                                         std::to_string(sizeof(WireHeader) +
-                                                        queue.front().header.bytes) +
-                                         " bytes (with header)"),
-            done);
-      return;
-    }
-  }
-  for (auto it = recvs_.begin(); it != recvs_.end();) {
-    const bool inFlight = it->claimed;
-    if (it->op.deadline > now) {
-      ++it;
-    } else if (inFlight) {
-      fatal(it->op.ctx.message("recv timed out in the middle of a message"), done);
-      return;
-    } else {
-      std::string from = it->peer < 0 ? "any rank" : "rank " + std::to_string(it->peer);
-      done.push_back({std::move(it->cb), {it->peer, transportError(it->op.ctx.message(
-                                                        "timed out waiting for a message from " +
-                                                        from + " with tag " +
-                                                        std::to_string(it->tag)))}});
-      it = recvs_.erase(it);
-    }
-  }
-}
-
 void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
   if (!fatalReason.empty()) {
     // onFatal_ first: it publishes the group's first error and aborts the
@@ -552,103 +282,6 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
     c.first(c.second.first, c.second.second);
     std::lock_guard<std::mutex> lock(mu_);
     --inCallbacks_;
-  }
-}
-
-void P2PEngine::enterCallbacksLocked() {
-  if (++inCallbacks_ == live_) busySince_ = Clock::now();
-  // A thread that found completions before it polled (a receive matched to a
-  // message read aside) runs them without having taken the turn: a thread
-  // waiting for it polls meanwhile. Without this wake-up it slept on, and a
-  // callback waiting for another receive waited for good (nobody polled, and
-  // the deadlines are checked by the poller).
-  if (!polling_ && waiting_ > 0) turnCv_.notify_one();
-  if (inCallbacks_ >= live_ && pendingLocked()) armWatcherLocked();
-}
-
-bool P2PEngine::pendingLocked() const {
-  if (!ready_.empty() || !recvs_.empty()) return true;
-  return std::any_of(sends_.begin(), sends_.end(), [](const auto& q) { return !q.empty(); });
-}
-
-void P2PEngine::armWatcherLocked() {
-  if (watchArmed_ || watcherFailed_ || (stopping_ && live_ == 0)) return;
-  watchArmed_ = true;
-  if (watcherStarted_) {
-    watchCv_.notify_one();
-    return;
-  }
-  try {
-    watcher_ = std::thread([self = shared_from_this()] { self->watch(); });
-    watcherStarted_ = true;
-    // Started after stop() let the threads go: nobody will join it.
-    if (detachNew_) watcher_.detach();
-  } catch (const std::exception& err) {
-    watcherFailed_ = true;
-    watchArmed_ = false;
-    LOG(WARNING) << rankPrefix(rank_, size_) << " could not start the p2p watcher ("
-                 << err.what() << "); a callback blocked in Future.wait() may stall p2p ops";
-  }
-}
-
-void P2PEngine::watch() {
-  nameThisThread("rr-p2p-watch");
-  std::unique_lock<std::mutex> lock(mu_);
-  // It stays while stopping: the pending ops' failures wait in ready_ for the
-  // engine's threads, whose callbacks may block as before.
-  const auto gone = [this] { return stopping_ && live_ == 0; };
-  while (true) {
-    watchCv_.wait(lock, [&] { return watchArmed_ || gone(); });
-    // Not woken early by progress: one look per kRescueAfter at most.
-    watchCv_.wait_for(lock, kRescueAfter, gone);
-    if (gone()) return;
-    if (inCallbacks_ < live_ || !pendingLocked()) {
-      watchArmed_ = false;  // a thread is free, or nothing waits: armed again when not
-      continue;
-    }
-    // Past the first few, a rescue waits for a longer stall (common/rescue.h):
-    // callbacks that are only slow return within it and end the stall.
-    if (Clock::now() - busySince_ < rescueStall(rescues_)) continue;  // look again
-    // Every thread has sat in one callback that long with ops pending:
-    // blocked (in a wait without a hook, or a late-taken Future's callback)
-    // or slow. Another thread runs what is ready and polls meanwhile.
-    if (++rescues_ == kFastRescues + 1) {
-      LOG(WARNING) << rankPrefix(rank_, size_) << " p2p callbacks have held every engine "
-                   << "thread " << kFastRescues + 1 << " times (blocked, e.g. in "
-                   << "Future.wait(), or slow); each further thread starts after a longer stall";
-    }
-    ensureRunnerLocked("callbacks that do not return");
-  }
-}
-
-void P2PEngine::beforeBlocking(bool certain) {
-  std::lock_guard<std::mutex> lock(mu_);
-  // Callbacks that only may block (a taken Future's: torch's Future::wait()
-  // has no hook) get one spare thread at most: no thread per completion
-  // (Python callbacks waiting for the GIL all count as in callbacks). Deeper
-  // levels of such waits are the watcher's (watch()).
-  if (!certain && live_ >= 2) return;
-  // Also while stopping: the failures of the pending ops wait in ready_ for
-  // a thread that is not blocked.
-  ensureRunnerLocked(certain ? "a callback that waits" : "callbacks that may wait");
-}
-
-bool P2PEngine::ensureRunnerLocked(const char* why) {
-  if (inCallbacks_ < live_) {
-    // A thread waiting for its turn, or the one polling, runs what is ready.
-    if (!ready_.empty()) {
-      turnCv_.notify_all();
-      wake();
-    }
-    return true;
-  }
-  try {
-    spawnLocked();
-    return true;
-  } catch (const std::exception& err) {
-    LOG(WARNING) << rankPrefix(rank_, size_) << " could not start another p2p thread for "
-                 << why << " (" << err.what() << "); the wait may time out";
-    return false;
   }
 }
 
@@ -696,30 +329,7 @@ void P2PEngine::loop() {
         continue;
       }
       if (!ready_.empty()) continue;
-      pfds.clear();
-      peers.clear();
-      matchBuffered(done);
-      failForLeftLocked(done);
-      for (int peer = 0; peer < size_; ++peer) {
-        if (peer == rank_ || left_[peer]) continue;
-        Incoming& in = incoming_[peer];
-        // A message being read aside is finished there first (a receive
-        // posted meanwhile takes it from buffered_): matched now, its first
-        // bytes would stay in `aside`.
-        if (in.headerDone == sizeof(WireHeader) && !in.matched && !in.draining &&
-            !in.buffering) {
-          matchHeader(peer, done);
-        }
-        short events = (sends_[peer].empty() ? 0 : POLLOUT) | (wantsRead(peer) ? POLLIN : 0);
-        if (events != 0) {
-          pfds.push_back({fds_[peer], events, 0});
-          peers.push_back(peer);
-        }
-      }
-      auto earliest = Clock::time_point::max();
-      for (auto& q : sends_) if (!q.empty()) earliest = std::min(earliest, q.front().op.deadline);
-      for (auto& r : recvs_) earliest = std::min(earliest, r.op.deadline);
-      if (earliest != Clock::time_point::max()) timeoutMs = millisUntil(earliest) + 1;
+      timeoutMs = pollSetLocked(pfds, peers, done);
       collect();
       if (!ready_.empty() || !fatalReason.empty()) continue;  // run those first
       polling_ = true;
@@ -750,6 +360,33 @@ void P2PEngine::loop() {
     // poll, and the next must not be left asleep.
     if (handOff) turnCv_.notify_all();
   }
+}
+
+int P2PEngine::pollSetLocked(std::vector<pollfd>& pfds, std::vector<int>& peers,
+                             std::vector<Completion>& done) {
+  pfds.clear();
+  peers.clear();
+  matchBuffered(done);
+  failForLeftLocked(done);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_ || left_[peer]) continue;
+    Incoming& in = incoming_[peer];
+    // A message being read aside is finished there first (a receive posted
+    // meanwhile takes it from buffered_): matched now, its first bytes would
+    // stay in `aside`.
+    if (in.headerDone == sizeof(WireHeader) && !in.matched && !in.draining && !in.buffering) {
+      matchHeader(peer, done);
+    }
+    short events = (sends_[peer].empty() ? 0 : POLLOUT) | (wantsRead(peer) ? POLLIN : 0);
+    if (events != 0) {
+      pfds.push_back({fds_[peer], events, 0});
+      peers.push_back(peer);
+    }
+  }
+  auto earliest = Clock::time_point::max();
+  for (auto& q : sends_) if (!q.empty()) earliest = std::min(earliest, q.front().op.deadline);
+  for (auto& r : recvs_) earliest = std::min(earliest, r.op.deadline);
+  return earliest == Clock::time_point::max() ? -1 : millisUntil(earliest) + 1;
 }
 
 }  // namespace tcp

@@ -15,6 +15,8 @@
 // owner.
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -105,6 +107,18 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   using Completion = std::pair<P2PCallback, std::pair<int, std::exception_ptr>>;
 
   void loop();
+  // loop(): matches what is read aside and headers read whole, fails ops for
+  // peers that left, and fills the poll set (the peers with something to
+  // send or a receive that could take their next message); returns poll()'s
+  // timeout in ms, up to the earliest op deadline (-1: none). mu_ held.
+  int pollSetLocked(std::vector<pollfd>& pfds, std::vector<int>& peers,
+                    std::vector<Completion>& done);
+  // stop(), before it fails the pending ops: a leave message to each peer
+  // with no message half sent. mu_ held.
+  void sayFarewellLocked();
+  // stop(): joins the engine's threads and then the watcher, or lets them go
+  // (`detach`: stop() runs in a callback on one of them).
+  void endThreads(bool detach);
   // Starts one more thread running loop(); mu_ held.
   void spawnLocked();
   // Runs onFatal_ with `fatalReason` (unless stop() came meanwhile) and then

@@ -87,6 +87,71 @@ bool progressRecv(int fd, const OpInfo& op, RecvState& s, std::string* err) {
   return true;
 }
 
+// Peers this rank stopped writing to in the middle of a message.
+std::vector<int> midMessagePeers(const std::vector<SendState>& ss) {
+  std::vector<int> peers;
+  for (auto& s : ss) {
+    if (s.done > 0 && s.done < s.total()) peers.push_back(s.spec->peer);
+  }
+  return peers;
+}
+
+// exchange(): moves what poll() said `peer`'s connection can take or give
+// (`p`, its revents set); fails the op (TcpMesh::fail throws) on a broken
+// send, a peer that shut its end while this rank still sends to it and
+// receives nothing from it, or a receive that failed (an abort frame: after
+// the peer's error is published).
+void progressPeer(TcpMesh& mesh, const OpInfo& op, int peer, const pollfd& p,
+                  std::vector<SendState>& ss, std::vector<RecvState>& rs) {
+  std::string err;
+  for (auto& s : ss) {
+    if (s.spec->peer != peer) continue;
+    bool sent;
+    {
+      // abandon() may run on another thread (a mixed exchange's other
+      // half): it must see whether this message is half written.
+      std::lock_guard<std::mutex> lock(mesh.sendMutex());
+      sent = progressSend(p.fd, s, &err);
+      mesh.setPartial(peer, s.done > 0 && s.done < s.total());
+    }
+    if (!sent) {
+      mesh.fail(op, peer,
+                "send failed after " + std::to_string(s.done) + " of " +
+                    std::to_string(s.total()) + " bytes: " + err,
+                false, midMessagePeers(ss));
+    }
+  }
+  if ((p.revents & POLLRDHUP) != 0) {
+    // A receive from the peer reads what it sent before its end, then the
+    // end itself, and fails in its own words; without one, fail here.
+    const bool receiving = std::any_of(rs.begin(), rs.end(), [&](const RecvState& r) {
+      return r.spec->peer == peer && !r.finished();
+    });
+    const auto open = std::find_if(ss.begin(), ss.end(), [&](const SendState& x) {
+      return x.spec->peer == peer && x.done < x.total();
+    });
+    if (!receiving && open != ss.end()) {
+      mesh.fail(op, peer,
+                "the peer shut its connection (it aborted or exited) after " +
+                    std::to_string(open->done) + " of " + std::to_string(open->total()) +
+                    " bytes were sent",
+                false, midMessagePeers(ss));
+    }
+  }
+  for (auto& r : rs) {
+    if (r.spec->peer == peer && !progressRecv(p.fd, op, r, &err)) {
+      if (r.headerDone == sizeof(WireHeader) &&
+          r.header.kind == static_cast<uint8_t>(OpKind::kAbort)) {
+        mesh.awaitPeerError();  // the peer publishes its error after the frame
+      }
+      mesh.fail(op, peer,
+                err + " (received " + std::to_string(r.dataDone) + " of " +
+                    std::to_string(r.spec->bytes) + " bytes)",
+                false, midMessagePeers(ss));
+    }
+  }
+}
+
 }  // namespace
 
 TcpTransport::~TcpTransport() = default;
@@ -122,14 +187,7 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
   startProgress(op, sends, recvs, &ss, &rs);
   std::vector<pollfd> pfds;
   std::vector<int> peerOf;
-  // Peers this rank stopped writing to in the middle of a message.
-  auto midMessage = [&ss] {
-    std::vector<int> peers;
-    for (auto& s : ss) {
-      if (s.done > 0 && s.done < s.total()) peers.push_back(s.spec->peer);
-    }
-    return peers;
-  };
+  auto midMessage = [&ss] { return midMessagePeers(ss); };
   // Nothing moved since then; a wait that long looks for a peer's rejection
   // of the op (mesh.h), so the poll wakes at least that often.
   Clock::time_point movedAt = Clock::now(), lastPoll = movedAt;
@@ -181,55 +239,7 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
                 midMessage());
     }
     for (size_t i = 0; i < pfds.size(); ++i) {
-      if (pfds[i].revents == 0) continue;
-      int peer = peerOf[i];
-      std::string err;
-      for (auto& s : ss) {
-        if (s.spec->peer != peer) continue;
-        bool sent;
-        {
-          // abandon() may run on another thread (a mixed exchange's other
-          // half): it must see whether this message is half written.
-          std::lock_guard<std::mutex> lock(mesh.sendMutex());
-          sent = progressSend(pfds[i].fd, s, &err);
-          mesh.setPartial(peer, s.done > 0 && s.done < s.total());
-        }
-        if (!sent) {
-          mesh.fail(op, peer,
-                    "send failed after " + std::to_string(s.done) + " of " +
-                        std::to_string(s.total()) + " bytes: " + err,
-                    false, midMessage());
-        }
-      }
-      if ((pfds[i].revents & POLLRDHUP) != 0) {
-        // A receive from the peer reads what it sent before its end, then the
-        // end itself, and fails in its own words; without one, fail here.
-        const bool receiving = std::any_of(rs.begin(), rs.end(), [&](const RecvState& r) {
-          return r.spec->peer == peer && !r.finished();
-        });
-        const auto open = std::find_if(ss.begin(), ss.end(), [&](const SendState& x) {
-          return x.spec->peer == peer && x.done < x.total();
-        });
-        if (!receiving && open != ss.end()) {
-          mesh.fail(op, peer,
-                    "the peer shut its connection (it aborted or exited) after " +
-                        std::to_string(open->done) + " of " + std::to_string(open->total()) +
-                        " bytes were sent",
-                    false, midMessage());
-        }
-      }
-      for (auto& r : rs) {
-        if (r.spec->peer == peer && !progressRecv(pfds[i].fd, op, r, &err)) {
-          if (r.headerDone == sizeof(WireHeader) &&
-              r.header.kind == static_cast<uint8_t>(OpKind::kAbort)) {
-            mesh.awaitPeerError();  // the peer publishes its error after the frame
-          }
-          mesh.fail(op, peer,
-                    err + " (received " + std::to_string(r.dataDone) + " of " +
-                        std::to_string(r.spec->bytes) + " bytes)",
-                    false, midMessage());
-        }
-      }
+      if (pfds[i].revents != 0) progressPeer(mesh, op, peerOf[i], pfds[i], ss, rs);
     }
   }
 }
