@@ -4,6 +4,7 @@
 #include "backend/ring_backend.h"
 
 #include <future>
+#include <iterator>
 #include <system_error>
 
 #include "algorithms/algorithms.h"

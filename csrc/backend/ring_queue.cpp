@@ -7,6 +7,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/ScopeExit.h>
 
+#include <algorithm>
 #include <system_error>
 
 #include "common/rescue.h"
