@@ -299,9 +299,37 @@ class PeakRss:
 
 # ---------------------------------------------------------------- environment
 
+def cpu_model():
+    """The CPU's model name from /proc/cpuinfo (None where it does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            match = re.search(r"model name\s*:\s*(.+)", f.read())
+        return match.group(1).strip() if match else None
+    except OSError:
+        return None
+
+
+def _launcher_argv():
+    """torchrun's own command line (the parent of a rank it started); None otherwise."""
+    if not launched_by_torchrun():
+        return None
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+
+
 def environment(world):
-    """What a result file needs to be compared with another one later."""
+    """What a result file needs to be compared with another one later, and the
+    command that produced it (argv: the script and its arguments as this process
+    got them; under torchrun the launcher's own flags are not in it)."""
     env = {
+        "argv": list(sys.argv),
+        "cpu_model": cpu_model(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "launcher_argv": _launcher_argv(),
+        "loadavg_1_5_15min": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__,
         "torch_ringreduce": ringreduce_version(),
         "python": platform.python_version(),
@@ -317,6 +345,10 @@ def environment(world):
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError, TypeError):
+            env["nccl"] = None
     return env
 
 

@@ -1,4 +1,5 @@
-"""Every benchmark and training comparison into results/, then the notebooks, in place.
+"""Every benchmark and training comparison into results/, then the notebooks, in place,
+and the docs' results page (docs/performance/results.md) from the same JSON.
 
     python scripts/make_report.py                  # the full report (about 40 min on 2 cores)
     python scripts/make_report.py --quick          # tiny sizes: checks the pipeline in ~2 min
@@ -23,6 +24,9 @@ Steps (--only picks some):
              -> results/train_<configuration>_np<N>.json
   notebooks  scripts/run_notebooks.py: notebooks/*.ipynb executed in place on results/
              (with another --results: into <results>/notebooks/, the originals untouched)
+  tables     scripts/render_results.py: every table of the docs' results page, with its
+             command, machine and date, from the JSON in results/
+             -> docs/performance/results.md (with another --results: <results>/results.md)
 
 Training configurations, all from the same seed on the same data. On CPU
 (nn.SyncBatchNorm refuses CPU tensors, so PyTorch's own CPU baseline is per-rank
@@ -45,7 +49,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
-STEPS = ["bench", "course", "syncbn", "study", "variants", "paradigms", "train", "notebooks"]
+STEPS = ["bench", "course", "syncbn", "study", "variants", "paradigms", "train", "notebooks",
+         "tables"]
 CPU_RUNS = {
     "ours": ["--backend", "ringreduce", "--ddp", "ours", "--sync-bn", "ours"],
     "torch-ddp": ["--backend", "ringreduce", "--ddp", "torch", "--sync-bn", "ours"],
@@ -106,10 +111,15 @@ def commands(args):
             py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
             str(args.nproc), f"{SCRIPTS}/ddp_cifar100.py", *flags, *train_flags(args),
             "--json", f"{out}/train_{name}_np{args.nproc}.json"]))
-    # The checked-in notebooks show results/ only; elsewhere they land beside the results.
-    place = [] if out == os.path.join(ROOT, "results") else ["--output-dir", f"{out}/notebooks"]
+    # The checked-in notebooks and results page show results/ only; elsewhere they land
+    # beside the results.
+    in_place = out == os.path.join(ROOT, "results")
+    place = [] if in_place else ["--output-dir", f"{out}/notebooks"]
     cmds.append(("notebooks", "notebooks", [py, f"{SCRIPTS}/run_notebooks.py",
                                             "--results", out, *place]))
+    page = [] if in_place else ["--output", f"{out}/results.md"]
+    cmds.append(("tables", "results page", [py, f"{SCRIPTS}/render_results.py",
+                                            "--results", out, *page]))
     return [c for c in cmds if c[0] in args.only]
 
 

@@ -1,0 +1,157 @@
+"""scripts/render_results.py: the docs' results page from small made-up JSON files.
+
+No distributed run: each kind of result gets a hand-made file with a few rows in a
+temporary folder, and the page must show their values, the command, machine and
+date of each table, and "not run" for the kinds with no file.
+"""
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC = importlib.util.spec_from_file_location(
+    "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
+render_results = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(render_results)
+
+
+def _env(world_size=2, **extra):
+    return {"argv": [os.path.join(ROOT, "scripts", "bench_collectives.py"), "--nproc", "2",
+                     "--json", os.path.join(ROOT, "results", "bench_collectives_np2.json")],
+            "launcher_argv": None, "launcher": "spawn", "cpu_model": "Test CPU 9000",
+            "cpu_count": 8, "cpu_affinity": 4, "platform": "Linux-test", "python": "3.11.7",
+            "torch": "2.13.0+cpu", "torch_ringreduce": "0.1.0", "torch_threads": 1,
+            "omp_num_threads": "1", "loadavg_1_5_15min": [0.5, 0.4, 0.3],
+            "date": "2030-01-02T03:04:05+00:00", "world_size": world_size, "cuda": None,
+            **extra}
+
+
+def _collective_row(op, backend, size, time_us, busbw):
+    return {"op": op, "backend": backend, "size_bytes": size, "world_size": 2,
+            "time_us": time_us, "algbw_GBps": busbw, "busbw_GBps": busbw, "wrong": 0,
+            "error": None, "time_us_repeats": [time_us]}
+
+
+def _collectives():
+    rows = [_collective_row("allreduce", "ringreduce", 4096, 18.25, 0.224),
+            _collective_row("allreduce", "gloo", 4096, 1354.0, 0.003),
+            _collective_row("allreduce", "ringreduce", 1 << 20, 87.5, 23.9),
+            _collective_row("allreduce", "gloo", 1 << 20, 1750.0, 0.599)]
+    return {"environment": _env(), "args": {"backends": ["ringreduce", "gloo"],
+                                            "dtype": "float32", "device": "cpu"},
+            "unavailable_backends": {}, "rows": rows}
+
+
+def _course():
+    rows = [{"backend": b, "world_size": 2, "size_bytes": 1 << 20, "mean_us": t,
+             "wrong": 0, "error": None, "skipped": None}
+            for b, t in (("ringreduce", 1600.0), ("gloo", 1900.0))]
+    rows.append({"backend": "ringreduce", "world_size": 6, "size_bytes": 1 << 30,
+                 "mean_us": None, "wrong": None, "error": None,
+                 "skipped": "needs 12 GiB, 3 available"})
+    return {"mode": "course_table", "environment": _env([2, 6]),
+            "args": {"backends": ["ringreduce", "gloo"], "repeats": 5, "warmup": 2,
+                     "dtype": "float32", "device": "cpu"}, "rows": rows}
+
+
+def _training():
+    """An older file: no recorded argv, so the command is rebuilt from its args."""
+    env = {k: v for k, v in _env().items() if k not in ("argv", "cpu_model")}
+    env.update(launcher="torchrun", device_names=["Train CPU 42"])
+    return {"kind": "ddp_cifar100", "label": "our DDP + our SyncBN on ringreduce, 2 ranks",
+            "environment": env,
+            "args": {"backend": "ringreduce", "ddp": "ours", "epochs": 3, "no_progress": True},
+            "data": {"source": "synthetic", "synthetic": True, "train_size": 512,
+                     "val_size": 200},
+            "model": {"name": "resnet", "width": 16, "parameters": 12345},
+            "final": {"val_acc": 0.9995, "best_val_acc": 0.9995, "samples_per_s": 1894.2,
+                      "epoch_time_s": 2.5, "peak_memory_bytes": 555 * 2 ** 20,
+                      "grad_allreduces": 234, "optimizer_steps": 234}}
+
+
+@pytest.fixture
+def page(tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for name, doc in (("bench_collectives_np2.json", _collectives()),
+                      ("course_table_cpu.json", _course()),
+                      ("train_ours_np2.json", _training())):
+        (folder / name).write_text(json.dumps(doc))
+    (folder / "broken.json").write_text("{not json")
+    (folder / "notes.txt").write_text("ignored")
+    out = tmp_path / "results.md"
+    assert render_results.main(["--results", str(folder), "--output", str(out)]) == 0
+    return out.read_text()
+
+
+def _section(page, title):
+    start = page.index(f"\n## {title}\n")
+    end = page.find("\n## ", start + 1)
+    return page[start:end if end > 0 else None]
+
+
+def test_header_says_generated(page):
+    assert page.startswith("# Measured results\n")
+    assert "do not edit by hand" in page and "make report" in page
+    assert "python scripts/render_results.py" in page
+
+
+def test_collectives_table_values_and_ratio(page):
+    text = _section(page, "Every collective against gloo")
+    assert "| 4 KiB | 0.01 |" in text  # 18.25 / 1354 as the ratio to gloo
+    assert "| 1 MiB | 0.05 |" in text  # 87.5 / 1750
+    assert "| 4 KiB | 18.2 | 1,354 |" in text  # times in the per-size table
+    assert "23.9" in text and "0.599" in text  # bus bandwidth
+    assert "no wrong elements, no errors" in text
+
+
+def test_every_table_has_command_machine_and_date(page):
+    for title in ("Every collective against gloo", "The course table",
+                  "Training with SyncBN: our DDP against PyTorch's"):
+        text = _section(page, title)
+        assert "```bash" in text, title
+        assert "**Machine:**" in text and "**Date:** 2030-01-02 03:04 UTC" in text, title
+    text = _section(page, "Every collective against gloo")
+    # The recorded argv, with the repository's paths relative to it.
+    assert "python scripts/bench_collectives.py --nproc 2 --json " \
+           "results/bench_collectives_np2.json" in text
+    assert "Test CPU 9000, 8 CPUs (4 usable)" in text
+    assert "torch 2.13.0+cpu" in text and "torch_ringreduce 0.1.0" in text
+    assert ROOT not in page  # no absolute path of this checkout
+
+
+def test_course_table_rows_and_skips(page):
+    text = _section(page, "The course table")
+    assert "| 2 | 1 MiB | 1.60 | 1.90 | 0.84 | 0 |" in text
+    assert "skipped: needs 12 GiB, 3 available" in text
+
+
+def test_training_rebuilt_command_and_synthetic_flag(page):
+    text = _section(page, "Training with SyncBN: our DDP against PyTorch's")
+    assert "rebuilt from the recorded arguments" in text
+    assert "python scripts/ddp_cifar100.py --backend ringreduce --ddp ours --epochs 3 " \
+           "--no-progress" in text
+    assert "Train CPU 42" in text  # the CPU model from the ranks' device names
+    assert "SYNTHETIC" in text and "99.95%" in text and "1,894" in text
+
+
+def test_missing_kinds_say_not_run(page):
+    for title in ("SyncBatchNorm", "DDP variants: gradient synchronisation strategies",
+                  "Training paradigms"):
+        assert "**Not run**" in _section(page, title), title
+    assert "**not run**" in page  # the summary table
+    assert "Rendered from 3 JSON file(s)" in page  # the broken file is skipped
+
+
+def test_empty_folder_renders_every_kind_as_not_run(tmp_path):
+    text = render_results.render(str(tmp_path / "missing"))
+    assert text.count("**Not run**") == len(render_results.KINDS)
+
+
+def test_checked_in_page_is_generated():
+    path = os.path.join(ROOT, "docs", "performance", "results.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert text.startswith("# Measured results\n") and "do not edit by hand" in text
