@@ -1,6 +1,7 @@
 """Every RINGREDUCE_* variable is declared once (csrc/common/env.h for the
 extension, torch_ringreduce/_env.py for Python, build and scripts), the code
-reads no other, and README.md's tables list exactly these with their defaults."""
+reads no other, and the tables of docs/user-guide/environment.md list exactly these
+with their defaults."""
 import os
 import re
 import subprocess
@@ -41,17 +42,21 @@ def _source_files():
         yield os.path.join(ROOT, f)
 
 
-def _readme_tables():
-    """name -> default column of every row in README's environment section."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+ENV_PAGE = os.path.join("docs", "user-guide", "environment.md")
+
+
+def _documented_tables():
+    """name -> default column of every variable row in the tables of ENV_PAGE."""
+    with open(os.path.join(ROOT, ENV_PAGE), encoding="utf-8") as f:
         text = f.read()
-    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
     rows = {}
-    for line in section.splitlines():
+    for line in text.splitlines():
+        if not line.lstrip().startswith("|"):
+            continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0].startswith("`RINGREDUCE_"):
             name = cells[0].strip("`")
-            assert name not in rows, f"README lists {name} twice"
+            assert name not in rows, f"{ENV_PAGE} lists {name} twice"
             rows[name] = cells[2]
     return rows
 
@@ -76,14 +81,14 @@ def test_extension_reads_variables_only_through_declarations():
                 assert not pattern.search(f.read()), f"{path} reads a variable by literal name"
 
 
-def test_readme_tables_match_the_declarations():
-    declared, readme = _declared(), _readme_tables()
-    assert sorted(readme) == sorted(declared), (
-        f"README only: {sorted(set(readme) - set(declared))}; "
-        f"declared only: {sorted(set(declared) - set(readme))}")
+def test_documented_tables_match_the_declarations():
+    declared, documented = _declared(), _documented_tables()
+    assert sorted(documented) == sorted(declared), (
+        f"{ENV_PAGE} only: {sorted(set(documented) - set(declared))}; "
+        f"declared only: {sorted(set(declared) - set(documented))}")
     for name, default in declared.items():
-        assert readme[name].strip("`") == default.strip("`"), (
-            f"{name}: README says default {readme[name]!r}, declared {default!r}")
+        assert documented[name].strip("`") == default.strip("`"), (
+            f"{name}: {ENV_PAGE} says default {documented[name]!r}, declared {default!r}")
 
 
 def test_environment_reports_the_values_in_effect():

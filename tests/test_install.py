@@ -1,5 +1,5 @@
 """Installing: the build records its torch, a build for another torch fails clearly
-(without breaking `import torch`), and the README's install commands work.
+(without breaking `import torch`), and the documented install commands work.
 
 The fast tests run a copy of the package's Python files (on PYTHONPATH, in a
 subprocess) with a doctored torch_ringreduce/_build_info.py or a stand-in _C.
@@ -8,10 +8,12 @@ The fresh-venv test compiles twice (an editable install, then a wheel) and took
 
     RR_INSTALL_TEST=1 python -m pytest -q -s tests/test_install.py
 
-It follows the README's "Install" blocks as written, in a copy of the checkout
-(so `pip install torch==2.13.0` runs as the README says: from PyPI, or from
-wherever pip is configured to look), and runs a 2-process all_reduce on
-ringreduce in both venvs.
+It runs, as written and in a copy of the checkout, the first bash block of the
+README's "## Install" section (a venv, torch, the editable install; so
+`pip install torch==2.13.0` runs as the README says: from PyPI, or from
+wherever pip is configured to look), then the wheel block of
+docs/user-guide/install.md, and runs a 2-process all_reduce on ringreduce in
+both venvs.
 """
 import glob
 import importlib.machinery
@@ -233,21 +235,40 @@ dist.destroy_process_group()
 """
 
 
-def readme_install_blocks(readme_path=os.path.join(ROOT, "README.md")):
-    """The ```bash blocks of the README's "## Install" section, in order."""
-    with open(readme_path) as f:
+INSTALL_PAGE = os.path.join(ROOT, "docs", "user-guide", "install.md")
+WHEEL_HEADING = "## A wheel for other environments"
+
+
+def section_bash_blocks(path, heading):
+    """The ```bash blocks of the section of `path` under `heading`, in order."""
+    with open(path, encoding="utf-8") as f:
         text = f.read()
-    start = text.index("\n" + INSTALL_HEADING + "\n")
+    start = text.index("\n" + heading + "\n")
     end = text.find("\n## ", start + 1)
     section = text[start:end if end != -1 else len(text)]
-    return re.findall(r"```bash\n(.*?)```", section, re.S)
+    return re.findall(r"^```bash\n(.*?)^```", section, re.S | re.M)
 
 
-def test_readme_install_section_has_the_commands():
-    blocks = "\n".join(readme_install_blocks())
-    for command in ("python -m venv", "pip install torch==", "pip install --no-build-isolation -e .",
-                    "python -m build --wheel --no-isolation", "pip install dist/*.whl"):
-        assert command in blocks, f"README install section lacks {command!r}"
+def install_blocks(readme_path=os.path.join(ROOT, "README.md"), install_page=INSTALL_PAGE):
+    """What a reader runs, in order: the README's install commands (the first bash
+    block of its "## Install" section), then the wheel block of the install page."""
+    readme = section_bash_blocks(readme_path, INSTALL_HEADING)
+    wheel = section_bash_blocks(install_page, WHEEL_HEADING)
+    assert readme, f"README.md has no bash block under {INSTALL_HEADING!r}"
+    assert len(wheel) == 1, f"expected one bash block under {WHEEL_HEADING!r}: {wheel}"
+    return [readme[0], wheel[0]]
+
+
+def test_install_commands_are_where_the_docs_say():
+    install, wheel = install_blocks()
+    for command in ("python -m venv", "pip install torch==", "pip install --no-build-isolation -e ."):
+        assert command in install, f"README's install block lacks {command!r}"
+    for command in ("python -m build --wheel --no-isolation", "python -m venv .venv-wheel",
+                    "pip install torch==", "pip install dist/*.whl"):
+        assert command in wheel, f"the install page's wheel block lacks {command!r}"
+    # The wheel needs the torch the build used.
+    pinned = re.findall(r"torch==(\S+)", install + wheel)
+    assert len(set(pinned)) == 1, f"the blocks pin different torch versions: {pinned}"
 
 
 def _copy_checkout(dest):
@@ -264,13 +285,13 @@ def _run_blocks(blocks, cwd):
     trace of each command with the time it started."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
-    # `python` is this interpreter, as it would be for the person reading the README.
+    # `python` is this interpreter, as it would be for the person reading the docs.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     script = "PS4='+ [$SECONDS s] '\n" + "\n".join(blocks)  # bash as root ignores PS4 from env
     proc = subprocess.run(["bash", "-e", "-x", "-c", script], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=3000)
     trace = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("+ ["))
-    assert proc.returncode == 0, f"README install commands failed:\n{script}\n--- output\n" \
+    assert proc.returncode == 0, f"the documented install commands failed:\n{script}\n--- output\n" \
         f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return trace
 
@@ -294,9 +315,8 @@ def _all_reduce_in(venv, workdir):
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get(INSTALL_ENV) != "1",
                     reason=f"compiles twice in fresh venvs (about 20 min): set {INSTALL_ENV}=1")
-def test_readme_install_in_fresh_venvs(tmp_path):
-    blocks = readme_install_blocks()
-    assert len(blocks) == 2, "expected two bash blocks: the install, then the wheel"
+def test_documented_install_in_fresh_venvs(tmp_path):
+    blocks = install_blocks()
     checkout = _copy_checkout(str(tmp_path / "torch_ringreduce"))
     outside = tmp_path / "elsewhere"
     outside.mkdir()
@@ -317,7 +337,7 @@ def test_readme_install_in_fresh_venvs(tmp_path):
             assert member in names, f"{member} is not in the wheel:\n{names}"
         assert len(re.findall(r"torch_ringreduce/_C\.\S+\.so", names)) == 1, names
         other = os.path.join(checkout, ".venv-wheel")
-        assert os.path.isdir(other), "the README's second venv is expected at .venv-wheel"
+        assert os.path.isdir(other), "the wheel block's venv is expected at .venv-wheel"
         where = _all_reduce_in(other, str(outside))
         assert all("site-packages" in w for w in where), where
     finally:
