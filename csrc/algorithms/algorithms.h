@@ -27,6 +27,7 @@ void allgatherRing(const Comm& c, const std::vector<char*>& blocks,
 // rank, in ring order, and copied to the others.
 void allreduceRing(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
 
+// --8<-- [start:direct-tcp]
 // Latency-optimal allreduce for small buffers: one step in which every rank
 // sends its whole buffer to every other rank, then each rank reduces all n
 // buffers in rank order 0..n-1. Same order everywhere, so the result is
@@ -34,6 +35,7 @@ void allreduceRing(const Comm& c, char* data, size_t count, size_t elemSize, Red
 // buffers up to kDirectAllreduceBytes.
 void allreduceDirect(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
 constexpr size_t kDirectAllreduceBytes = 16 * 1024;
+// --8<-- [end:direct-tcp]
 
 // Two-step all-reduce over memory every rank maps (SharedBuffers), in rounds
 // of at most shared.stagingBytes() per rank: each rank stages its chunk, then
@@ -70,9 +72,11 @@ void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology&
 // to kDirectAllreduceBytes, then hierarchical.
 AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
                                    AllreduceAlgorithm forced, int hosts = 1);
+// --8<-- [start:direct-shm]
 constexpr size_t kDirectShared2Bytes = 64 * 1024;  // 2 ranks
 constexpr size_t kDirectSharedBytes = 4 * 1024;     // 3 ranks and more
 size_t directSharedBytes(int size);
+// --8<-- [end:direct-shm]
 
 // The all-reduce chooseAllreduce picks for this buffer, group and transport.
 void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);

@@ -146,6 +146,7 @@ void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology&
   for (const auto& host : topology.hosts) peers.push_back(host[local]);
   const Comm across = c.subgroup(peers, topology.hostOf[c.rank]);
   twoStepRounds(c, shared, data, count, elemSize, fn, [&](char* slice, size_t n) {
+    // --8<-- [start:across-hosts]
     // Across hosts it is TCP: the TCP choice for the slice.
     if (chooseAllreduce(n * elemSize, across.size, false, AllreduceAlgorithm::kAuto) ==
         AllreduceAlgorithm::kDirect) {
@@ -153,6 +154,7 @@ void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology&
     } else {
       allreduceRing(across, slice, n, elemSize, fn);
     }
+    // --8<-- [end:across-hosts]
   });
 }
 
@@ -174,6 +176,7 @@ bool allreduceFromName(const std::string& name, AllreduceAlgorithm* out) {
   return false;
 }
 
+// --8<-- [start:choose]
 size_t directSharedBytes(int size) {
   return size == 2 ? kDirectShared2Bytes : kDirectSharedBytes;
 }
@@ -190,15 +193,18 @@ AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
   if (!shared) return bytes <= kDirectAllreduceBytes ? A::kDirect : A::kRing;
   return bytes <= directSharedBytes(size) ? A::kDirect : A::kTwoStep;
 }
+// --8<-- [end:choose]
 
 void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {
   SharedBuffers* shared = c.transport.sharedBuffers();
   const Topology& topology = c.transport.topology();
   const int hosts = static_cast<int>(topology.hosts.size());
+  // --8<-- [start:hierarchical-usable]
   // Several hosts: the hierarchical all-reduce needs every host's ranks to
   // share memory, and as many on each (every rank sees the same table).
   const bool usable = shared != nullptr && (hosts == 1 || (topology.uniform() &&
                                                            topology.hosts[0].size() >= 2));
+  // --8<-- [end:hierarchical-usable]
   switch (chooseAllreduce(count * elemSize, c.size, usable, c.allreduce, hosts)) {
     case AllreduceAlgorithm::kDirect:
       allreduceDirect(c, data, count, elemSize, fn);

@@ -23,12 +23,14 @@ inline constexpr EnvVar kEnvIfname{"RINGREDUCE_SOCKET_IFNAME", "route to `MASTER
                                    false};
 inline constexpr EnvVar kEnvAddr{"RINGREDUCE_SOCKET_ADDR", "",
                                  "explicit IPv4 address to listen on and advertise", false};
+// --8<-- [start:segment]
 inline constexpr EnvVar kEnvSegmentBytes{
     "RINGREDUCE_SEGMENT_BYTES", "262144",
     "largest message of a ring step (pipelining / scratch size)", true};
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
 // than 1-16 MiB on 2-4 ranks, see README).
 constexpr int64_t kDefaultSegmentBytes = 256 << 10;
+// --8<-- [end:segment]
 // The waiting budgets (transport/wait_policy.h): unset, they adapt to the
 // machine; set, they are fixed.
 inline constexpr EnvVar kEnvSpinUs{

@@ -41,6 +41,7 @@ WaitPolicy::WaitPolicy(int worldSize) {
   setLocalRanks(worldSize);
 }
 
+// --8<-- [start:defaults]
 void WaitPolicy::setLocalRanks(int ranks, int cpus) {
   localRanks_ = std::max(1, ranks);
   usableCpus_ = cpus > 0 ? std::min(cores_, static_cast<unsigned>(cpus)) : cores_;
@@ -51,6 +52,7 @@ void WaitPolicy::setLocalRanks(int ranks, int cpus) {
   // both sides (measured on the 2-rank 4 KiB all-reduce).
   yieldUs_ = envInt(kEnvYieldUs, kDefaultYieldUs);
 }
+// --8<-- [end:defaults]
 
 int WaitPolicy::runnable() {
   const int64_t now = nowNs();
@@ -77,6 +79,7 @@ int WaitPolicy::runnable() {
   return runnable_.load(std::memory_order_relaxed);
 }
 
+// --8<-- [start:adapt]
 int64_t WaitPolicy::spinUs() {
   if (spinUs_ == 0) return 0;
   // This rank is one of the runnable threads: more than the cores means
@@ -93,6 +96,7 @@ int64_t WaitPolicy::yieldUs() {
   const int ours = std::max(static_cast<int>(cores_), localRanks_) + 1;
   return adaptiveYield_ && runnable() > ours ? 0 : yieldUs_;
 }
+// --8<-- [end:adapt]
 
 void WaitPolicy::yield() {
   sched_yield();

@@ -55,10 +55,12 @@ class WaitPolicy {
   int64_t configuredYieldUs() const { return yieldUs_; }
   void yield();
 
+  // --8<-- [start:budgets]
   static constexpr int64_t kDefaultSpinUs = 50;
   static constexpr int64_t kDefaultYieldUs = 200;
   static constexpr int64_t kSampleMs = 20;
   static constexpr int kSamples = 5;
+  // --8<-- [end:budgets]
 
  private:
   // The machine's runnable threads: the median of the last kSamples samples

@@ -33,8 +33,10 @@ namespace shm {
 
 class RingStoreChooser {
  public:
+  // --8<-- [start:sampling]
   static constexpr int kSamples = 9;                // per kind of store, per round of sampling
   static constexpr uint32_t kRecheckAfter = 2048;  // exchanges on the choice before sampling again
+  // --8<-- [end:sampling]
 
   // Whether the next exchange of kind `kind` whose largest message is `bytes`
   // streams; `*sample` says whether record() wants its time.

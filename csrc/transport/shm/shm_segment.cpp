@@ -20,7 +20,9 @@ namespace ringreduce {
 namespace shm {
 namespace {
 
+// --8<-- [start:sleep]
 constexpr int kSleepMs = 2;  // a sleeping rank checks its peers' sockets this often
+// --8<-- [end:sleep]
 
 size_t roundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 

@@ -144,7 +144,9 @@ bool announcedOp(Segment& seg, int local, WireHeader* out);
 // ranks on the host than cores a consumer often runs next on the producer's
 // own core, where plain stores leave the bytes in its caches: there every
 // message takes plain stores.
+// --8<-- [start:streaming-min]
 constexpr size_t kStreamingMinBytes = 16 << 10;
+// --8<-- [end:streaming-min]
 void copyIntoRing(char* dst, const char* src, size_t n, bool streaming);
 
 // Fails `op` if this transport aborted, or a rank aborted the group before

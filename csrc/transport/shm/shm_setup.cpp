@@ -20,6 +20,7 @@ namespace ringreduce {
 namespace shm {
 namespace {
 
+// --8<-- [start:sizes]
 constexpr int64_t kDefaultRingBytes = 256 << 10;
 constexpr int64_t kMinRingBytes = 4 << 10;
 constexpr int64_t kMaxSegmentBytes = int64_t{256} << 20;
@@ -45,6 +46,7 @@ Layout layoutFor(int size) {
   ringBytes = std::max<int64_t>(kMinRingBytes, ringBytes / 64 * 64);
   return Layout::of(size, static_cast<size_t>(ringBytes), static_cast<size_t>(staging));
 }
+// --8<-- [end:sizes]
 
 // Maps the segment `name` (creating it when `create`); nullptr on failure.
 void* mapSegment(const std::string& name, size_t bytes, bool create, std::string* why) {
@@ -258,10 +260,12 @@ std::unique_ptr<Transport> attach(Mesh& mesh, Transport& p2p, const Topology& to
   // 3. Whether every rank that has local peers mapped its host's segment.
   if (!setUp.everyRankMapped(mapped, layout.total)) return nullptr;
   if (mapped.base == nullptr) return nullptr;  // alone on this host
+  // --8<-- [start:stores]
   const RingStores stores = hooks().ringStores == 1 ? RingStores::kStreaming
                             : hooks().ringStores == 0 || !mesh.waitPolicy().ranksFitCores()
                                 ? RingStores::kPlain
                                 : RingStores::kMeasured;
+  // --8<-- [end:stores]
   static const char* const kStoreNames[] = {"plain", "streaming", "measured"};
   if (debugEnabled()) {
     fprintf(stderr,

@@ -48,6 +48,7 @@ namespace {
 
 constexpr uint32_t kHelloMagic = 0x52524845;  // "RRHE"
 constexpr uint32_t kProtocolVersion = 1;
+// --8<-- [start:limits]
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
 // Connections waiting for their hello at once, beyond the group's own two per
 // peer: past it the oldest is refused, so idle strangers cannot use up the
@@ -62,6 +63,7 @@ constexpr auto kAcceptBackoffMax = std::chrono::milliseconds(1000);
 // a second.
 constexpr uint64_t kRefusalsPrinted = 20;
 constexpr auto kRefusalLogInterval = std::chrono::seconds(1);
+// --8<-- [end:limits]
 
 std::string randomHex(size_t bytes) {
   std::vector<unsigned char> raw(bytes);

@@ -22,6 +22,7 @@ namespace tcp {
 namespace {
 
 constexpr const char* kAbortKey = "abort";
+// --8<-- [start:budgets]
 // Budgets of the error path's store calls: a raise never waits longer on a
 // store that does not answer.
 constexpr auto kPublishBudget = std::chrono::milliseconds(250);
@@ -34,6 +35,7 @@ constexpr auto kLookupBudget = std::chrono::milliseconds(250);
 // After a timeout, how long a rank waits for the ranks it waits on to publish
 // whom they wait on (their deadlines differ by their start times).
 constexpr auto kWaitChainGrace = std::chrono::milliseconds(500);
+// --8<-- [end:budgets]
 
 }  // namespace
 
