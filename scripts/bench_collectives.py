@@ -25,8 +25,8 @@ iteration is the maximum over ranks and a row reports the median loop. Last,
 one collective on fresh inputs is checked against a closed form (#wrong:
 elements that differ, summed over ranks). Sizes are bytes of the whole buffer,
 as in nccl-tests: the output of allgather and gather, the input of
-reduce_scatter and scatter, each rank's buffer for alltoall. busbw factors are
-those of DESIGN.md. The collectives and their closed forms: _bench_ops.py.
+reduce_scatter and scatter, each rank's buffer for alltoall. busbw factors:
+docs/performance/method.md. The collectives and their closed forms: _bench_ops.py.
 
 --backends mpi: Open MPI through mpi4py, the script re-run under mpirun (_bench_mpi.py).
 --busy K|cores: K CPU-bound processes beside the run; --floor (a one-rank group) and

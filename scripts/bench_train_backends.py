@@ -52,8 +52,8 @@ def run_once(backend, threads, nproc, train_args, folder):
                              f"the whole output is in {log}; its lines that name an error:\n"
                              + "\n".join(last[-40:]))
         # The training finished and rank 0 wrote its results: a rank died on
-        # the way out. gloo does this now and then (README, "Training
-        # throughput"): its worker thread frees a tensor while the interpreter
+        # the way out. gloo does this now and then (docs/notes.md, "Benchmark history,
+        # in short"): its worker thread frees a tensor while the interpreter
         # is finalizing. The measurement stands; the crash is reported.
         print(f"# WARNING: {backend} with {threads} thread(s) wrote its results, then a rank "
               f"died at exit (exit {done.returncode}); the whole output is in {log}:\n# "

@@ -29,8 +29,8 @@
 #            and Open MPI (when mpirun and mpi4py are there), with the one-rank floor
 #            and one core's memcpy measured in the same run. The 2-core development
 #            VM cannot reach the 64 MiB target (busbw >= 0.8 of one core's memcpy):
-#            its two cores share one core's memory bandwidth (README, "Against gloo
-#            and Open MPI"); this step measures it on a server's cores.
+#            its two cores share one core's memory bandwidth (docs/notes.md, "The 2-rank
+#            64 MiB all-reduce and the memory"); this step measures it on a server's cores.
 # Each step's output goes to the terminal and to $OUT/gpu_check.log; JSON next to it.
 # Every step fits the device tool's 10-minute limit when run alone; all of them
 # together take about 12 minutes on an H100 machine (16 cores) without `studies`,

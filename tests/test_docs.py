@@ -13,7 +13,8 @@ def test_docs_site_builds_strict(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
          "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (tmp_path / "site" / "index.html").is_file()
 

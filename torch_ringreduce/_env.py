@@ -4,7 +4,7 @@ The extension's run-time variables are declared in csrc/common/env.h and read
 from there (`_C.environment()`); the ones read by Python code, the build and
 the scripts are declared here. `torch_ringreduce.environment()` lists them all
 with the value in effect; tests/test_env.py checks that the source reads no
-other RINGREDUCE_* variable and that README.md's tables match these lists.
+other RINGREDUCE_* variable and that the tables of docs/user-guide/environment.md match these lists.
 """
 import os
 from typing import NamedTuple

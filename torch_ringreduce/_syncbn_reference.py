@@ -4,7 +4,7 @@ The same names, signatures and results as `torch_ringreduce._C.bn_*`. It is the
 oracle the compiled kernels are tested against, and the fallback wherever they
 are missing (an extension built before them, CUDA tensors with a CPU-only
 extension), so it never reads a tensor on the host: shapes decide, values stay
-on the device. Math and numerics: DESIGN.md "Sync batch norm".
+on the device. Math and numerics: docs/contributing.md, "SyncBatchNorm, in short".
 
 Conventions. x and dy: (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W), any
 layout (contiguous and channels_last(_3d) are what the module passes), dtype

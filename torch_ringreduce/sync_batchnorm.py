@@ -8,8 +8,8 @@
 Semantics are nn.SyncBatchNorm's, on CPU and CUDA and any backend (ringreduce,
 gloo, nccl), for inputs (N, C, *) of two or more dims (the kernels take 2D-5D;
 more dims run as (N, C, L)). The module and the functional form share one
-training pass, _sync_batch_norm_train. Training, per pass (DESIGN.md "Sync
-batch norm"):
+training pass, _sync_batch_norm_train. Training, per pass (docs/contributing.md,
+"SyncBatchNorm, in short"):
 
     forward:  bn_stats_pack -> all_reduce SUM of fp64 [3, C] + 1 -> bn_finalize -> bn_forward
     backward: bn_backward_reduce -> all_reduce SUM of fp64 [2, C] -> bn_backward_elemt

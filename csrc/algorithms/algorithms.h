@@ -64,8 +64,8 @@ void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology&
 // every rank has SharedBuffers (on a multi-host group: every host runs the
 // same number of ranks, at least two): the forced one (`forced` != kAuto,
 // two-step only on one host with shared memory, hierarchical only on several
-// hosts with it), else the fastest measured (docs/DESIGN.md, "All-reduce on
-// one host"): over TCP direct up to kDirectAllreduceBytes, then the ring; over
+// hosts with it), else the fastest measured (docs/algorithms.md, "Choosing the
+// all-reduce"): over TCP direct up to kDirectAllreduceBytes, then the ring; over
 // shared memory on one host direct up to directSharedBytes(size) (one
 // synchronisation instead of two), then two-step (the ring was slower at
 // every size from 4 KiB to 64 MiB on 2-4 ranks); on several hosts direct up

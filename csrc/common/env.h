@@ -1,8 +1,8 @@
 // Environment configuration: every RINGREDUCE_* variable the extension reads
 // is declared here, once (name, documented default, meaning), and read only
 // through envInt/envString with its declaration. kEnvVariables lists them for
-// torch_ringreduce.environment() and for the test that checks README.md's
-// table; the Python-side and build variables are declared in
+// torch_ringreduce.environment() and for the test that checks the table of
+// docs/user-guide/environment.md; the Python-side and build variables are declared in
 // torch_ringreduce/_env.py.
 #pragma once
 
@@ -28,7 +28,7 @@ inline constexpr EnvVar kEnvSegmentBytes{
     "RINGREDUCE_SEGMENT_BYTES", "262144",
     "largest message of a ring step (pipelining / scratch size)", true};
 // 256 KiB: the scratch block stays in L2 while it is reduced (measured faster
-// than 1-16 MiB on 2-4 ranks, see README).
+// than 1-16 MiB on 2-4 ranks).
 constexpr int64_t kDefaultSegmentBytes = 256 << 10;
 // --8<-- [end:segment]
 // The waiting budgets (transport/wait_policy.h): unset, they adapt to the
@@ -56,7 +56,7 @@ inline constexpr EnvVar kEnvShmRingBytes{
     true};
 inline constexpr EnvVar kEnvAllreduce{
     "RINGREDUCE_ALLREDUCE", "`auto`",
-    "all-reduce algorithm of groups created from now on: `auto` (by size, see DESIGN.md), "
+    "all-reduce algorithm of groups created from now on: `auto` (by size, see docs/algorithms.md), "
     "`ring`, `direct` (one step, every rank sends all), `two_step` (shared memory on one "
     "host only) or `hierarchical` (several hosts with as many ranks each, sharing memory "
     "within a host); `auto` where the forced one cannot run; every rank must set the same",
@@ -69,7 +69,7 @@ inline constexpr EnvVar kEnvCpuAvx2{
 inline constexpr EnvVar kEnvDebug{"RINGREDUCE_DEBUG", "0",
                                   "`1` logs connection set-up and aborts to stderr", true};
 
-// Every variable above, in README order.
+// Every variable above, in the documented table's order.
 inline constexpr const EnvVar* kEnvVariables[] = {
     &kEnvIfname,       &kEnvAddr,      &kEnvSegmentBytes, &kEnvSpinUs, &kEnvYieldUs, &kEnvShm,
     &kEnvShmRingBytes, &kEnvAllreduce, &kEnvCpuAvx2,      &kEnvDebug};

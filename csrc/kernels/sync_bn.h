@@ -1,6 +1,7 @@
 // Synchronized batch-norm kernels (CPU in sync_bn_cpu.cpp; CUDA in
 // cuda/sync_bn_cuda.cpp and cuda/sync_bn_kernels.cu when built with
-// RINGREDUCE_WITH_CUDA). Math and numerics: DESIGN.md "Sync batch norm".
+// RINGREDUCE_WITH_CUDA). Math and numerics: docs/contributing.md,
+// "SyncBatchNorm, in short".
 //
 // Shared conventions. x and dy have shape (N, C), (N, C, L), (N, C, H, W) or
 // (N, C, D, H, W), dtype float32/float64/float16/bfloat16, contiguous or

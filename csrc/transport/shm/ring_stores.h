@@ -5,7 +5,7 @@
 // stores leave them in the producer's cache. Which is faster depends on the
 // machine (how far apart its cores' caches are) and on the op: one VM
 // measured streaming 1.6-2.2x faster for 2-rank broadcasts, a later one plain
-// 1.3-3x faster for the same ones (docs/DESIGN.md, "Writing the rings").
+// 1.3-3x faster for the same ones (docs/transports.md, "Writing the rings").
 //
 // So each producer measures. Per kind of op and size class (the exchange's
 // largest message, by powers of two) it alternates the two kinds for the

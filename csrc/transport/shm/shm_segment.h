@@ -151,7 +151,7 @@ void copyIntoRing(char* dst, const char* src, size_t n, bool streaming);
 
 // Fails `op` if this transport aborted, or a rank aborted the group before
 // finishing `op` (the segment's flag goes up before a failing rank publishes
-// its error: see DESIGN.md). A rank that aborted in a later op finished this
+// its error: docs/transports.md, "The fault model"). A rank that aborted in a later op finished this
 // one, so its abort does not fail it.
 void throwIfAborted(Mesh& mesh, Segment& seg, const OpInfo& op);
 // Raises the segment's abort flag for every op from seq `from` on.

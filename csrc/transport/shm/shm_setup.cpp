@@ -25,7 +25,7 @@ constexpr int64_t kDefaultRingBytes = 256 << 10;
 constexpr int64_t kMinRingBytes = 4 << 10;
 constexpr int64_t kMaxSegmentBytes = int64_t{256} << 20;
 // Each rank's staging area of the two-step all-reduce (two per rank): the
-// data it contributes per round (see docs/DESIGN.md for the measurements).
+// data it contributes per round (docs/notes.md: staging sizes).
 constexpr int64_t kDefaultStagingBytes = 1 << 20;
 constexpr int64_t kMinStagingBytes = 4 << 10;
 constexpr int64_t kMaxStagingTotal = int64_t{64} << 20;

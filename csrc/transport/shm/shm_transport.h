@@ -1,6 +1,6 @@
 // Shared-memory transport among the ranks of a group that run on one host
-// (same hostname, boot, and pid, ipc, network and mount namespaces: see
-// transport/factory.cpp). gloo has none; on one host it replaces two trips
+// (same hostname, boot, pid, ipc and network namespaces, and the same file
+// system behind /dev/shm: see transport/factory.cpp). gloo has none; on one host it replaces two trips
 // through the kernel's loopback per message with a copy into and out of a ring
 // buffer the peer maps too. In a group spread over several hosts each host's
 // ranks get their own segment, and the factory routes every other peer to TCP.
