@@ -1,6 +1,6 @@
 """The measured tables of the docs, rendered from the results folder's JSON.
 
-    python scripts/render_results.py                        # results/ -> docs/performance/results.md
+    python scripts/render_results.py             # results/ -> docs/performance/results.md
     python scripts/render_results.py --results /tmp/r --output /tmp/results.md
 
 The last step of `make report` (scripts/make_report.py, step "tables"). Every
@@ -89,7 +89,7 @@ def date_range(envs):
 
 # ------------------------------------------------------------------ setup lines
 
-def _short_path(arg, results):
+def _short_path(arg):
     """Paths inside the repository relative to it; the interpreter as `python`."""
     if not isinstance(arg, str) or not os.path.isabs(arg):
         return arg
@@ -97,10 +97,8 @@ def _short_path(arg, results):
         return "python"
     if os.path.basename(arg) == "torchrun":
         return "torchrun"
-    for base in (ROOT, results):
-        if base and (arg == base or arg.startswith(base.rstrip(os.sep) + os.sep)):
-            rel = os.path.relpath(arg, ROOT)
-            return rel if not rel.startswith("..") else arg
+    if arg == ROOT or arg.startswith(ROOT + os.sep):
+        return os.path.relpath(arg, ROOT)
     return arg
 
 
@@ -121,7 +119,7 @@ def _from_args(script, args):
     return argv
 
 
-def command(env, args, script, results):
+def command(env, args, script):
     """(the command line, how it is known)."""
     env = env or {}
     argv, launcher = env.get("argv"), env.get("launcher_argv")
@@ -130,17 +128,22 @@ def command(env, args, script, results):
             full = launcher
         elif env.get("launcher") == "torchrun":
             full = ["torchrun", "--nproc_per_node", str(env.get("world_size")), *argv]
+        elif env.get("launcher") == "mpirun":
+            full = ["mpirun", "-np", str(env.get("world_size")), "python", *argv]
         else:
             full = ["python", *argv]
-        return shlex.join(_short_path(a, results) for a in full), "recorded"
-    return shlex.join(_from_args(script, args)), "rebuilt from the recorded arguments"
+        return shlex.join(_short_path(a) for a in full), "recorded"
+    rebuilt = _from_args(script, args)
+    return shlex.join(_short_path(a) for a in rebuilt), "rebuilt from the recorded arguments"
 
 
 def machine(env):
     """CPU model, cores, GPU, OS, and the versions of everything that ran."""
     env = env or {}
-    names = env.get("device_names") or []
-    cpu = env.get("cpu_model") or next((n for n in names if "cuda" not in n.lower()), None)
+    # Files from before cpu_model was recorded: the training scripts' device names are
+    # the CPU's model on CPU runs.
+    names = env.get("device_names") if env.get("device", "cpu") == "cpu" else None
+    cpu = env.get("cpu_model") or ", ".join(names or []) or None
     parts = [f"{cpu or 'CPU model not recorded'}, {env.get('cpu_count', '?')} CPUs "
              f"({env.get('cpu_affinity', '?')} usable)"]
     if env.get("gpu"):
@@ -171,12 +174,12 @@ def load_line(envs):
         " at the start"
 
 
-def setup(docs, script, results, what=None):
+def setup(docs, script, what=None):
     """The command, machine, setup and date lines of one table (or of several runs)."""
     envs = [d["_env"] for d in docs]
     lines = []
     for d in docs:
-        cmd, how = command(d["_env"], d.get("args") or d.get("config"), script, results)
+        cmd, how = command(d["_env"], d.get("args") or d.get("config"), script)
         if len(docs) == 1:
             lines += [f"Command ({how} in `{d['_file']}`):", "", "```bash", cmd, "```", ""]
         else:
@@ -202,7 +205,7 @@ def is_collectives(d):
         "busbw_GBps" in rows[0] and d.get("mode") != "course_table"
 
 
-def render_collectives(docs, results):
+def render_collectives(docs):
     out = ["Per collective, size (bytes of the whole buffer, as nccl-tests) and backend: time "
            "per call (the slowest rank's, median of repeats) and bus bandwidth (algbw times "
            "the collective's factor, [Method](method.md)). ratio: time over gloo's at the same "
@@ -218,7 +221,7 @@ def render_collectives(docs, results):
         busy = (env.get("busy") or {}).get("burners")
         out += [f"### {env.get('world_size')} ranks, {', '.join(backends)}"
                 + (f", {busy} cores busy" if busy else "") + f" (`{d['_file']}`)", ""]
-        out += setup([d], "bench_collectives.py", results,
+        out += setup([d], "bench_collectives.py",
                      f"{d['args'].get('dtype')}, {d['args'].get('device')}")
 
         def time_of(op, b, s):
@@ -254,6 +257,7 @@ def render_collectives(docs, results):
                              *(ratio(time_of(op, o, s), time_of(op, base, s)) for o in others)])
             out += ["    **" + op + "**", ""] + [("    " + line).rstrip()
                                                     for line in table(head, body)]
+        out += _references(d.get("reference") or {}, by, backends, sizes[-1])
         problems = [r for r in rows if r.get("wrong") or r.get("error")]
         unavailable = d.get("unavailable_backends") or {}
         out += ["Every row checked against the closed form: "
@@ -264,11 +268,35 @@ def render_collectives(docs, results):
     return out
 
 
+def _references(refs, by, backends, largest):
+    """The run's reference points (--floor, --memcpy), where it measured them."""
+    parts, floor = [], refs.get("floor") or {}
+    if floor.get("time_us"):
+        parts.append(f"floor (all_reduce of {size_label(floor['size_bytes'])} on a one-rank "
+                     f"{floor.get('backend')} group, every rank at once): "
+                     f"{num(floor['time_us'])} µs")
+    copy = refs.get("memcpy") or {}
+    for key, what in (("memcpy", "one core's copy"),
+                      ("memcpy_all_ranks", "every rank copying at once"),
+                      ("inplace_all_ranks", "an in-place pass on every rank at once")):
+        if (refs.get(key) or {}).get("GBps"):
+            parts.append(f"{what}: {num(refs[key]['GBps'])} GB/s (median "
+                         f"{num(refs[key]['median_GBps'])}) over {size_label(refs[key]['bytes'])}")
+    if copy.get("GBps"):
+        for b in backends:
+            busbw = (by.get(("allreduce", b, largest)) or {}).get("busbw_GBps")
+            if busbw:
+                parts.append(f"{b} all-reduce busbw / one core's copy at "
+                             f"{size_label(largest)}: {ratio(busbw, copy['GBps'])}")
+    parts += [f"{k} not measured: {v}" for k, v in (refs.get("errors") or {}).items()]
+    return ["References: " + "; ".join(parts) + ".", ""] if parts else []
+
+
 def is_course(d):
     return d.get("mode") == "course_table" and d.get("rows")
 
 
-def render_course(docs, results):
+def render_course(docs):
     out = ["All-reduce time by backend, number of workers (each a fresh set of ranks) and "
            "each rank's buffer: the mean of the calls after warm-up, each call timed on the "
            "slowest rank (`bench_collectives.py --course-table`).", ""]
@@ -276,7 +304,7 @@ def render_course(docs, results):
         a, rows = d["args"], d["rows"]
         backends = a.get("backends") or sorted({r["backend"] for r in rows})
         out += [f"### {', '.join(backends)}, {a.get('device')} (`{d['_file']}`)", ""]
-        out += setup([d], "bench_collectives.py", results,
+        out += setup([d], "bench_collectives.py",
                      f"workers {', '.join(map(str, d['_env'].get('world_size') or []))}; "
                      f"{a.get('repeats')} calls after {a.get('warmup')} warm-up, "
                      f"{a.get('dtype')}")
@@ -309,7 +337,7 @@ def _paired(ours, base):
     return statistics.median(pairs) if pairs else None
 
 
-def render_syncbn(docs, results):
+def render_syncbn(docs):
     out = ["One forward plus backward of a synchronized batch norm over `[batch, hidden]` "
            "per rank, the slowest rank, median of repeats. ratio: median over repeats of ours "
            "over the baseline timed back to back (`local_bn_allreduce`, nn.BatchNorm1d plus "
@@ -319,8 +347,9 @@ def render_syncbn(docs, results):
         a = d["args"]
         base = "local_bn_allreduce" if a.get("device") == "cpu" else "nn_sync"
         out += [f"### {a.get('backend')}, {a.get('device')} (`{d['_file']}`)", ""]
-        out += setup([d], "bench_syncbn.py", results,
-                     f"ranks {', '.join(str(r['environment'].get('world_size')) for r in d['runs'])}"
+        ranks = ", ".join(str(r["environment"].get("world_size")) for r in d["runs"])
+        out += setup([d], "bench_syncbn.py",
+                     f"ranks {ranks}"
                      f"; {a.get('warmup')} warm-up, {a.get('iters')} iterations x "
                      f"{a.get('repeats')} repeats")
         keyed = {}
@@ -348,7 +377,7 @@ def is_study(d):
     return d.get("study") == "allreduce" and d.get("rows")
 
 
-def render_study(docs, results):
+def render_study(docs):
     out = ["The same float32 vectors averaged across 1 to N workers (each count a fresh set "
            "of ranks): the textbook `tree`, `ring` and `butterfly` in Python over "
            "isend/irecv (`torch_ringreduce.reference`) against `dist.all_reduce` on gloo and "
@@ -358,7 +387,7 @@ def render_study(docs, results):
         a, rows = d["args"], d["rows"]
         methods = a.get("methods") or sorted({r["method"] for r in rows})
         out += [f"### {', '.join(methods)} (`{d['_file']}`)", ""]
-        out += setup([d], "bench_allreduce_study.py", results,
+        out += setup([d], "bench_allreduce_study.py",
                      f"workers {', '.join(map(str, a.get('workers') or []))}; references "
                      f"over {a.get('p2p_backend')}; {a.get('repeats')} repeats after "
                      f"{a.get('warmup')} warm-up")
@@ -392,7 +421,7 @@ def is_variants(d):
     return d.get("kind") == "ddp_variants" and d.get("backends")
 
 
-def render_variants(docs, results):
+def render_variants(docs):
     out = ["One Transformer language model trained once per way of averaging gradients "
            "(naive per-gradient all-reduce, one flat buffer, overlapped per-gradient async, "
            "bucketed, torch DDP and ours; local synchronises nothing). Mean ms per step (the "
@@ -402,7 +431,7 @@ def render_variants(docs, results):
         c = d["config"]
         m = c["model"]
         out += [f"### {d.get('label', '')} (`{d['_file']}`)", ""]
-        out += setup([d], "bench_ddp_variants.py", results,
+        out += setup([d], "bench_ddp_variants.py",
                      f"{m['layers']} layers x d_model {m['d_model']}, {m['parameters']:,} "
                      f"parameters ({m['parameter_bytes'] / MIB:.1f} MiB of gradients); "
                      f"{c['warmup']} warm-up + {c['steps']} measured steps")
@@ -413,7 +442,7 @@ def render_variants(docs, results):
                          [[v["label"],
                            f"{num(v['step_ms']['mean'])} ± {num(v['step_ms']['std'], 2)}",
                            num(v["comm_ms"]["mean"]) if v.get("comm_ms") else "n/a",
-                           num(v.get("overhead_ms")), num(v.get("allreduces_per_step")),
+                           num(v.get("overhead_ms")), _count(v.get("allreduces_per_step")),
                            _sent(v), mib(v.get("peak_memory_bytes")),
                            {True: "match", False: "**differ**"}.get(v.get("params_match"),
                                                                    "n/a")]
@@ -422,6 +451,10 @@ def render_variants(docs, results):
             "rank matches the closed form), else the closed form. params: final parameters "
             "against the naive variant's.", ""]
     return out
+
+
+def _count(value):
+    return "n/a" if value is None else f"{value:g}"
 
 
 def _sent(v):
@@ -437,7 +470,7 @@ def is_paradigms(d):
     return d.get("kind") == "paradigms" and d.get("paradigms")
 
 
-def render_paradigms(docs, results):
+def render_paradigms(docs):
     out = ["Centralised SGD (one process), serverless data parallel (all-reduce), a parameter "
            "server and FedAvg (iid and label-skewed client splits) on the same data from the "
            "same seed. Global updates: optimizer steps on the global model (rounds for "
@@ -446,7 +479,7 @@ def render_paradigms(docs, results):
     for d in docs:
         c, data, model = d["config"], d["data"], d["model"]
         out += [f"### {d.get('label', '')} (`{d['_file']}`)", ""]
-        out += setup([d], "paradigms.py", results,
+        out += setup([d], "paradigms.py",
                      f"{d['_env'].get('world_size')} ranks; {data['dataset']} "
                      f"({data['train_size']} / {data['test_size']}), {model['name']} with "
                      f"{model['parameters']:,} parameters; {c['epochs']} epochs, "
@@ -476,7 +509,7 @@ def is_training(d):
     return d.get("kind") == "ddp_cifar100" and d.get("final")
 
 
-def render_training(docs, results):
+def render_training(docs):
     docs = sorted(docs, key=lambda d: (d["_env"].get("date") or "", d["_file"]))
     synthetic = [d for d in docs if (d.get("data") or {}).get("synthetic")]
     out = ["A ResNet on CIFAR-100 trained by `scripts/ddp_cifar100.py` under torchrun, once "
@@ -489,7 +522,7 @@ def render_training(docs, results):
                 "prototypes plus noise; CIFAR-100 was not in `--data-dir`): their accuracies "
                 "say nothing about CIFAR-100, only that the configurations agree.", ""]
     first = docs[0]
-    out += setup(docs, "ddp_cifar100.py", results,
+    out += setup(docs, "ddp_cifar100.py",
                  f"{first['_env'].get('world_size')} ranks; {first['args'].get('epochs')} "
                  f"epochs; model {first['model']['name']} width {first['model']['width']}, "
                  f"{first['model']['parameters']:,} parameters")
@@ -512,13 +545,13 @@ def is_train_backends(d):
     return "exit_crashes" in d and isinstance(d.get("rows"), list)
 
 
-def render_train_backends(docs, results):
+def render_train_backends(docs):
     out = ["Training samples per second of `ddp_cifar100.py` (torch DDP, per-rank BN) on "
            "each backend, median of runs alternating between the backends.", ""]
     for d in docs:
         a = d["args"]
         out += [f"### `{d['_file']}`", ""]
-        cmd, how = command(None, a, "bench_train_backends.py", results)
+        cmd, how = command(None, a, "bench_train_backends.py")
         out += [f"Command ({how}):", "", "```bash", cmd, "```", "",
                 "**Machine:** not recorded by bench_train_backends.py", "",
                 "**Date:** not recorded", ""]
@@ -553,13 +586,13 @@ KINDS = [
      render_train_backends, None,
      "python scripts/bench_train_backends.py --json results/train_backends.json"),
 ]
-NOT_IN_REPORT = [
+NOT_IN_REPORT = [  # (what, command, what it needs)
     ("Against gloo and Open MPI", "python scripts/bench_collectives.py --nproc 2 --backends "
-     "ringreduce gloo mpi --json results/bench_mpi_np2.json (needs mpi4py and Open MPI)"),
+     "ringreduce gloo mpi --json results/bench_mpi_np2.json", "mpi4py and Open MPI"),
     ("With the cores busy", "python scripts/bench_collectives.py --nproc 2 --busy 2 "
-     "--json results/bench_busy_np2.json"),
+     "--json results/bench_busy_np2.json", ""),
     ("Several hosts", "sudo python scripts/bench_hosts.py --hosts 2 --per-host 2 -- --ops "
-     "allreduce --json results/bench_hosts.json (needs root and iproute2)"),
+     "allreduce --json results/bench_hosts.json", "root and iproute2"),
 ]
 
 
@@ -596,7 +629,7 @@ def render(folder):
            '!!! note "Generated by `make report`: do not edit by hand"',
            "    Every table on this page is rendered by `scripts/render_results.py` from the "
            "JSON files that `make report` (`scripts/make_report.py`) writes into `results/`, "
-           "which is not committed. To regenerate it all (about 40 minutes on 2 cores): "
+           "which is not committed. To measure everything again and regenerate it: "
            "`make report`; this page alone from the JSON already there: "
            "`python scripts/render_results.py`. Each table gives the command that produced "
            "it, the machine and the date; how each quantity is measured is on "
@@ -613,7 +646,7 @@ def render(folder):
     for key, title, _, renderer, step, alone in KINDS:
         out += [f"## {title}", ""]
         if found[key]:
-            out += renderer(found[key], folder)
+            out += renderer(found[key])
         else:
             how = (f"`python scripts/make_report.py --only {step}` writes it (alone: "
                    f"`{alone}`)" if step else f"`make report` does not run it: `{alone}`")
@@ -623,7 +656,9 @@ def render(folder):
             "quiet machine to load on purpose). Their JSON, once in `results/`, renders "
             "in the sections above (the collectives table takes any `bench_collectives.py` "
             "file):", ""]
-    out += [f"- {what}: not run by `make report`; `{how}`" for what, how in NOT_IN_REPORT]
+    out += [f"- {what}: not run by `make report`; `{how}`" + (f" (needs {needs})" if needs
+                                                               else "")
+            for what, how, needs in NOT_IN_REPORT]
     return "\n".join(out).rstrip() + "\n"
 
 
