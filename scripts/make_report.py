@@ -1,7 +1,7 @@
 """Every benchmark and training comparison into results/, then the notebooks, in place,
 and the docs' results page (docs/performance/results.md) from the same JSON.
 
-    python scripts/make_report.py                  # the full report (about 40 min on 2 cores)
+    python scripts/make_report.py                  # the full report (about 15 min on 2 cores)
     python scripts/make_report.py --quick          # tiny sizes: checks the pipeline in ~2 min
     python scripts/make_report.py --only train notebooks --train-size 0   # all of CIFAR-100
     python scripts/make_report.py --device cuda --nproc 2                 # NCCL comparisons
