@@ -10,10 +10,11 @@ import functools
 
 import torch
 import torch.distributed as dist
+# torch 2.13's names; 2.11 and 2.12 have only the old ones, which 2.13 warns on.
+from torch_ringreduce._compat import all_gather_single as _all_gather
+from torch_ringreduce._compat import reduce_scatter_single as _reduce_scatter
 
 REDOPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclasses.dataclass(frozen=True)

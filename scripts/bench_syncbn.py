@@ -132,7 +132,8 @@ def check(hidden, batch, world, group, device):
 
 def warm_up(impls, x, gy, device, args):
     """(impls that ran on every rank, {name: error}): a baseline the backend cannot
-    run (nn.SyncBatchNorm needs all_gather_into_tensor) is dropped, not fatal."""
+    run (nn.SyncBatchNorm needs all_gather_single; all_gather_into_tensor before
+    torch 2.13) is dropped, not fatal."""
     usable, errors = [], {}
     for impl in impls:
         try:

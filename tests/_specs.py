@@ -15,6 +15,7 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch_ringreduce._compat import all_gather_single, reduce_scatter_single
 
 from _cases import LARGE, input_scale, is_exact, make_input, reduce_closed_form
 
@@ -174,7 +175,7 @@ def reduce_scatter_tensor(comm, dtype, count, op, exact=True, variant="plain"):
             out = inp.narrow(0, comm.rank * count, count)
         else:
             out = torch.zeros(count, dtype=dtype, device=device)
-        work = dist.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
+        work = reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
         return work, [out]
 
     return [Spec({}, call, [want], is_exact(dtype, op, exact), input_scale(flats))]
@@ -192,7 +193,7 @@ def reduce_scatter_tensor_coalesced(comm, dtype, count, op, exact=True, variant=
         outs = [torch.zeros(s, dtype=dtype, device=device) for s in sizes]
         with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
             for out, f in zip(outs, flats):
-                dist.reduce_scatter_tensor(out, _fresh(f[comm.rank], device), op=op, group=group)
+                reduce_scatter_single(out, _fresh(f[comm.rank], device), op=op, group=group)
         return (cm.works[0] if async_op else None), outs
 
     return [Spec({}, call, wants, is_exact(dtype, op, exact),
@@ -257,7 +258,7 @@ def all_gather_into_tensor(comm, dtype, count, op=None, exact=False, variant="pl
             inp.copy_(data[comm.rank])
         else:
             inp = _fresh(data[comm.rank], device)
-        return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op), [out]
+        return all_gather_single(out, inp, group=group, async_op=async_op), [out]
 
     return [Spec({}, call, [torch.cat(data)], shared=1)]
 
@@ -288,7 +289,7 @@ def all_gather_into_tensor_coalesced(comm, dtype, count, op=None, exact=False, v
         outs = [torch.zeros(comm.n * s, dtype=dtype, device=device) for s in sizes]
         with dist._coalescing_manager(group=group, async_ops=async_op) as cm:
             for out, d in zip(outs, data):
-                dist.all_gather_into_tensor(out, _fresh(d[comm.rank], device), group=group)
+                all_gather_single(out, _fresh(d[comm.rank], device), group=group)
         return (cm.works[0] if async_op else None), outs
 
     return [Spec({}, call, [torch.cat(d) for d in data], shared=len(sizes))]

@@ -18,8 +18,13 @@ from torch_ringreduce.sync_batchnorm import SyncBatchNorm
 
 NN_BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "broadcast", "reduce", "all_to_all_single", "barrier")
+# The old single-tensor names too: torch 2.11 and 2.12 have only those, and
+# 2.13's nn.SyncBatchNorm calls the new (each counts once: the old names forward
+# inside torch, not through these patched attributes).
+COLLECTIVES = tuple(name for name in (
+    "all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
+    "reduce_scatter_single", "reduce_scatter_tensor", "broadcast", "reduce",
+    "all_to_all_single", "barrier") if hasattr(dist, name))
 
 
 def even_sizes(batch, parts):

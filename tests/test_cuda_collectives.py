@@ -31,6 +31,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch_ringreduce._compat import all_gather_single, reduce_scatter_single
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -147,7 +148,7 @@ def _stream_ops(n, rank, count):
     """name -> (issue(t, async_op) -> (work or None, output), expected CPU output)."""
     def all_gather(t, async_op):
         out = torch.empty(n * count, device=_cuda())
-        return dist.all_gather_into_tensor(out, t, async_op=async_op), out
+        return all_gather_single(out, t, async_op=async_op), out
 
     every = torch.cat([torch.full((count,), 2.0 * (r + 1)) for r in range(n)])
     return {
@@ -294,9 +295,9 @@ def dependent_ops(ctx):
     first.wait()
     shard = torch.empty(4, device=_cuda())
     full = torch.arange(float(4 * n), device=_cuda()) + r
-    scattered = dist.reduce_scatter_tensor(shard, full, async_op=True)
+    scattered = reduce_scatter_single(shard, full, async_op=True)
     gathered = torch.empty(4 * n, device=_cuda())
-    dist.all_gather_into_tensor(gathered, shard)  # reads the reduce-scatter's output
+    all_gather_single(gathered, shard)  # reads the reduce-scatter's output
     scattered.wait()
     torch.cuda.synchronize()
     return x.cpu(), gathered.cpu()

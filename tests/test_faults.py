@@ -40,6 +40,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch_ringreduce._compat import reduce_scatter_single
 
 from _harness import WorldPool, backend_under_test
 from _outcomes import attempt, backend_of, error_info, with_env
@@ -664,7 +665,7 @@ def _one_rank_rejects(ctx, transport, op, then):
             dist.all_reduce(t, op=dist.ReduceOp.BAND if bad else dist.ReduceOp.SUM,
                             group=group)
         else:  # reduce_scatter_tensor: a wrong output size on rank 1
-            dist.reduce_scatter_tensor(torch.empty(4 + bad), torch.ones(4 * n), group=group)
+            reduce_scatter_single(torch.empty(4 + bad), torch.ones(4 * n), group=group)
 
     err = attempt(first)
     if bad and then == "wait":

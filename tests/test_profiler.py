@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch_ringreduce._compat import reduce_scatter_single
 
 from _harness import backend_under_test
 
@@ -25,7 +26,7 @@ def _ops(rank, n, async_op):
         "gather": lambda: dist.gather(t, others if rank == 0 else None, dst=0, async_op=async_op),
         "scatter": lambda: dist.scatter(t, others if rank == 0 else None, src=0,
                                         async_op=async_op),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(t, big, async_op=async_op),
+        "reduce_scatter": lambda: reduce_scatter_single(t, big, async_op=async_op),
         "all_to_all": lambda: dist.all_to_all_single(big.clone(), big, async_op=async_op),
         "barrier": lambda: dist.barrier(async_op=async_op),
     }

@@ -13,8 +13,8 @@ Each round is a fresh world of 3 or 4 ranks (alternating), each rank a
 spawned process joining "ringreduce" through a FileStore with a 5 s group
 timeout, over shared memory or TCP (RINGREDUCE_SHM=0; alternating every two
 rounds). Every rank runs the same seeded random plan of collectives
-(all_reduce SUM/MAX, broadcast from a random root, all_gather_into_tensor,
-reduce_scatter_tensor, all_to_all_single, barrier, isend/irecv around the
+(all_reduce SUM/MAX, broadcast from a random root, all_gather_single,
+reduce_scatter_single, all_to_all_single, barrier, isend/irecv around the
 ring; small and medium sizes, four dtypes). Inputs are small integers that
 depend only on (round, op, rank), so each rank knows the exact expected
 result and reports every op to the parent as ok, WRONG (a defect), or raised
@@ -108,6 +108,8 @@ def rank_input(torch, seed, rank, numel, dtype):
 
 def run_op(torch, dist, spec, seed, rank, n):
     """Runs one op of the plan; None when its result is right, else what is wrong."""
+    from torch_ringreduce._compat import all_gather_single, reduce_scatter_single
+
     kind, dtype, numel, extra = spec
     inp = lambda r, k=numel: rank_input(torch, seed, r, k, dtype)  # noqa: E731
     if kind == "all_reduce":
@@ -122,11 +124,11 @@ def run_op(torch, dist, spec, seed, rank, n):
         want = inp(root)
     elif kind == "all_gather":
         got = torch.empty(n * numel, dtype=getattr(torch, dtype))
-        dist.all_gather_into_tensor(got, inp(rank))
+        all_gather_single(got, inp(rank))
         want = torch.cat([inp(r) for r in range(n)])
     elif kind == "reduce_scatter":
         got = torch.empty(numel, dtype=getattr(torch, dtype))
-        dist.reduce_scatter_tensor(got, inp(rank, n * numel))
+        reduce_scatter_single(got, inp(rank, n * numel))
         want = sum(inp(r, n * numel)[rank * numel:(rank + 1) * numel] for r in range(n))
     elif kind == "all_to_all":
         got = torch.empty(n * numel, dtype=getattr(torch, dtype))
@@ -176,11 +178,8 @@ def rank_main(conn, cfg):
     clock for every process of the machine.
     """
     import faulthandler
-    import warnings
 
     faulthandler.enable()
-    # torch 2.13 calls all_gather_into_tensor / reduce_scatter_tensor deprecated.
-    warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
     rank, n = cfg["rank"], cfg["world_size"]
     os.environ["RINGREDUCE_SHM"] = "0" if cfg["transport"] == "tcp" else "1"
     import torch

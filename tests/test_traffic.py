@@ -20,6 +20,7 @@ Closed forms (S payload bytes, n ranks, B = S / n for the block collectives):
 import pytest
 import torch
 import torch.distributed as dist
+from torch_ringreduce._compat import all_gather_single, reduce_scatter_single
 
 from _outcomes import with_env
 
@@ -73,9 +74,9 @@ def every_collective(ctx, transport):
                                                                        group=group))
     out["broadcast"] = _counted(group, lambda: dist.broadcast(f(RING // 4), src=n - 1,
                                                               group=group))
-    out["all_gather"] = _counted(group, lambda: dist.all_gather_into_tensor(
+    out["all_gather"] = _counted(group, lambda: all_gather_single(
         torch.empty(n * block), f(block), group=group))
-    out["reduce_scatter"] = _counted(group, lambda: dist.reduce_scatter_tensor(
+    out["reduce_scatter"] = _counted(group, lambda: reduce_scatter_single(
         torch.empty(block), f(n * block), group=group))
     out["all_to_all"] = _counted(group, lambda: dist.all_to_all_single(
         torch.empty(n * block), f(n * block), group=group))
