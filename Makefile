@@ -1,37 +1,100 @@
-# The two commands a user needs: `make demo` and `make test`. Both install what
-# is missing, build the extension, and run.
-PY        ?= python3
-NPROC     ?= 2
-SOURCES   := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') setup.py pyproject.toml
+# The two commands a user needs: `make demo` and `make test`. Each installs what
+# it is missing (only what that target uses), builds the extension, and runs.
+#
+#   make demo                                   torch from pip's default index (PyPI)
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu     the CPU build of torch
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cu130   a CUDA 13.0 build
+#   make test VERBOSE=1                         the compiler's whole output on the terminal
+#
+# A torch >= 2.11 already installed is used as it is: TORCH_SPEC and TORCH_INDEX
+# only matter when there is none.
+PY          ?= python3
+NPROC       ?= 2
+VERBOSE     ?=
 PYTEST_ARGS ?=
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+SOURCES     := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') setup.py pyproject.toml
 
-.PHONY: deps build demo demo-collectives test bench report clean
+# What each target imports beyond torch, as pip names it. scripts/check_deps.py
+# checks exactly these and prints the ones missing, which are then installed.
+DEPS_BUILD  := ninja setuptools>=77.0.3
+DEPS_DEMO   := tqdm
+DEPS_BENCH  := tqdm
+# tests/ (the notebook tests run the notebooks and scripts/paradigms.py on
+# scikit-learn's digits; test_docs builds the site with mkdocs)
+DEPS_TEST   := pytest hypothesis numpy scikit-learn nbformat nbclient ipykernel matplotlib \
+               mkdocs-material==9.*
+DEPS_REPORT := tqdm numpy scikit-learn nbformat nbclient ipykernel matplotlib
 
-# torch: an installed 2.11+ is used as it is; otherwise the pinned CPU build.
-deps:
-	@$(PY) scripts/check_torch.py || $(PY) -m pip install -q torch==2.13.0
-	@$(PY) -c "import pytest, numpy, tqdm, ninja, nbformat, nbclient, ipykernel, matplotlib, sklearn" \
-		2>/dev/null || $(PY) -m pip install -q pytest numpy tqdm ninja nbformat nbclient ipykernel \
-		matplotlib scikit-learn
+.PHONY: deps deps-torch deps-build deps-demo deps-bench deps-test deps-report \
+	build demo demo-collectives test bench report clean
+
+# $(call install,TARGET,REQUIREMENTS,WHY): pip-installs those of REQUIREMENTS not
+# installed, in one line saying which. set -f: `==9.*` stays a version, not a glob.
+define install
+	@set -f; missing=$$($(PY) scripts/check_deps.py $(foreach r,$(2),'$(r)')) || { \
+		echo "$(1): installing $$missing ($(3))"; \
+		$(PY) -m pip install -q $$missing; }
+endef
+
+# Everything every target needs.
+deps: deps-build deps-demo deps-bench deps-test deps-report
+
+# torch: an installed 2.11+ is used as it is (scripts/check_torch.py); otherwise
+# TORCH_SPEC from TORCH_INDEX, or from pip's default index when it is empty.
+ifeq ($(TORCH_INDEX),)
+TORCH_FROM := pip's default index (PyPI unless your pip configuration names another). \
+	On Linux x86_64 that is PyPI's CUDA build, several GB of NVIDIA wheels; for the CPU \
+	build (about 200 MB) press Ctrl-C and run: make $(or $(MAKECMDGOALS),deps) $(if $(filter command line,$(origin PY)),PY=$(PY) )\
+	TORCH_INDEX=https://download.pytorch.org/whl/cpu
+else
+TORCH_FROM := $(TORCH_INDEX) (pip --index-url)
+endif
+deps-torch:
+	@$(PY) scripts/check_torch.py || { \
+		echo "deps-torch: no torch >= 2.11 for $(PY): installing $(TORCH_SPEC) from $(TORCH_FROM)"; \
+		$(PY) -m pip install -q '$(TORCH_SPEC)' $(if $(TORCH_INDEX),--index-url '$(TORCH_INDEX)'); }
+
+deps-build: deps-torch
+	$(call install,deps-build,$(DEPS_BUILD),to compile the extension)
+
+deps-demo:
+	$(call install,deps-demo,$(DEPS_DEMO),for the progress bars of make demo)
+
+deps-bench:
+	$(call install,deps-bench,$(DEPS_BENCH),for the progress bars of make bench)
+
+deps-test:
+	$(call install,deps-test,$(DEPS_TEST),for what tests/ imports and runs)
+
+deps-report:
+	$(call install,deps-report,$(DEPS_REPORT),for the runs and notebooks of make report)
 
 # Builds the extension in place (ninja keeps build/ so rebuilds are
-# incremental), then installs the package in editable mode without compiling
-# again, for the `torch.backends` entry point that lets `import torch` register
-# the backend.
+# incremental) with one progress line (scripts/build_ext.py; the compiler's
+# output in build/build.log, all of it on the terminal with VERBOSE=1), then
+# installs the package in editable mode without compiling again, for the
+# `torch.backends` entry point that lets `import torch` register the backend.
 # A replaced torch rebuilds too: the build must match the torch it runs with.
 TORCH_VERSION_PY := $(shell $(PY) -c "import importlib.util as u; s = u.find_spec('torch'); \
 	print(s.submodule_search_locations[0] + '/version.py' if s else '')" 2>/dev/null)
-.build-stamp: $(SOURCES) $(TORCH_VERSION_PY)
+.build-stamp: $(SOURCES) $(TORCH_VERSION_PY) | deps-build
+ifeq ($(VERBOSE),)
+	@$(PY) scripts/build_ext.py --jobs $(NPROC) --log build/build.log
+else
 	MAX_JOBS=$(NPROC) $(PY) setup.py -q build_ext --inplace
+endif
 	@touch $@
 
-build: deps .build-stamp
-	@$(PY) scripts/check_install.py || \
-		RINGREDUCE_METADATA_ONLY=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+build: deps-build .build-stamp
+	@$(PY) scripts/check_install.py || { \
+		echo "build: pip install -e . (no compiling: for the entry point that registers the backend)"; \
+		RINGREDUCE_METADATA_ONLY=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .; }
 
 # A short 2-process CIFAR-100-shaped training run on ringreduce (synthetic
 # data unless data/cifar-100-python exists), our DDP and SyncBatchNorm.
-demo: build
+demo: deps-demo build
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 scripts/ddp_cifar100.py \
 		--synthetic --train-size 6144 --val-size 1000 --epochs 2 --width 8 --batch-size 32 \
 		--ddp ours --sync-bn ours --json results/demo_train.json
@@ -40,16 +103,16 @@ demo: build
 demo-collectives: build
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 scripts/demo.py
 
-test: build
+test: deps-test build
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
-bench: build
+bench: deps-bench build
 	$(PY) scripts/bench_collectives.py --nproc 2 --backends ringreduce gloo -b 4K -e 64M -f 4
 	$(PY) scripts/bench_collectives.py --nproc 4 --backends ringreduce gloo -b 4K -e 64M -f 4
 
 # Full benchmarks and training comparisons into results/, then the notebooks
 # executed in place (about 40 minutes on 2 cores).
-report: build
+report: deps-report build
 	$(PY) scripts/make_report.py
 
 clean:
