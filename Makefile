@@ -19,15 +19,18 @@ SOURCES     := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') s
 # What each target imports beyond torch, as pip names it. scripts/check_deps.py
 # checks exactly these and prints the ones missing, which are then installed.
 DEPS_BUILD  := ninja setuptools>=77.0.3
-DEPS_DEMO   := tqdm
-DEPS_BENCH  := tqdm
+# numpy for every run: torch's object collectives (all_gather_object, ...) go
+# through Tensor.numpy(), and torch does not depend on numpy.
+DEPS_RUN    := numpy
+DEPS_DEMO   := $(DEPS_RUN) tqdm
+DEPS_BENCH  := $(DEPS_RUN) tqdm
 # tests/ (the notebook tests run the notebooks and scripts/paradigms.py on
 # scikit-learn's digits; test_docs builds the site with mkdocs)
-DEPS_TEST   := pytest hypothesis numpy scikit-learn nbformat nbclient ipykernel matplotlib \
+DEPS_TEST   := $(DEPS_RUN) pytest hypothesis scikit-learn nbformat nbclient ipykernel matplotlib \
                mkdocs-material==9.*
-DEPS_REPORT := tqdm numpy scikit-learn nbformat nbclient ipykernel matplotlib
+DEPS_REPORT := $(DEPS_RUN) tqdm scikit-learn nbformat nbclient ipykernel matplotlib
 
-.PHONY: deps deps-torch deps-build deps-demo deps-bench deps-test deps-report \
+.PHONY: deps deps-torch deps-build deps-run deps-demo deps-bench deps-test deps-report \
 	build demo demo-collectives test bench report clean
 
 # $(call install,TARGET,REQUIREMENTS,WHY): pip-installs those of REQUIREMENTS not
@@ -39,7 +42,7 @@ define install
 endef
 
 # Everything every target needs.
-deps: deps-build deps-demo deps-bench deps-test deps-report
+deps: deps-build deps-run deps-demo deps-bench deps-test deps-report
 
 # torch: an installed 2.11+ is used as it is (scripts/check_torch.py); otherwise
 # TORCH_SPEC from TORCH_INDEX, or from pip's default index when it is empty.
@@ -59,11 +62,14 @@ deps-torch:
 deps-build: deps-torch
 	$(call install,deps-build,$(DEPS_BUILD),to compile the extension)
 
+deps-run:
+	$(call install,deps-run,$(DEPS_RUN),for torch's object collectives)
+
 deps-demo:
-	$(call install,deps-demo,$(DEPS_DEMO),for the progress bars of make demo)
+	$(call install,deps-demo,$(DEPS_DEMO),for make demo)
 
 deps-bench:
-	$(call install,deps-bench,$(DEPS_BENCH),for the progress bars of make bench)
+	$(call install,deps-bench,$(DEPS_BENCH),for make bench)
 
 deps-test:
 	$(call install,deps-test,$(DEPS_TEST),for what tests/ imports and runs)
@@ -100,7 +106,7 @@ demo: deps-demo build
 		--ddp ours --sync-bn ours --json results/demo_train.json
 
 # Every collective once on 2 ranks, checked, as a table.
-demo-collectives: build
+demo-collectives: deps-run build
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 scripts/demo.py
 
 test: deps-test build

@@ -20,11 +20,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Measured for the CPU flavour (40 files, gcc 12, torch 2.13.0+cpu, -O3) on a
-# 2-core x86_64 machine: 9.6 core-minutes in all, about 15 s of one core per file
-# (compiling against torch's headers dominates), so about 5 minutes with
-# MAX_JOBS=2 on 2 idle cores; 14 minutes while other work shared the cores.
-CORE_SECONDS_PER_FILE = 15
+# Measured for the CPU flavour (40 files, gcc 12, torch 2.13.0+cpu, -O3) with
+# MAX_JOBS=2 on a 2-core x86_64 machine shared with other work: 3 min 12 s of
+# wall clock at a load of about 1.5 (about 10 s of one core per file: compiling
+# against torch's headers dominates), 14 min 22 s while two training processes
+# held the cores.
+CORE_SECONDS_PER_FILE = 10
 NINJA = re.compile(r"^\[(\d+)/(\d+)\] (.*)$")
 SOURCE = re.compile(r"(?:^|\s)-c\s+(\S+\.(?:cpp|cu))(?:\s|$)")
 
@@ -68,7 +69,7 @@ def built_before():
 
 
 def minutes(seconds):
-    return f"{seconds / 60:.0f} min {seconds % 60:02.0f} s" if seconds >= 60 else f"{seconds:.0f} s"
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def estimate(files, jobs):
@@ -110,8 +111,8 @@ def main():
     if not built_before():
         print(f"build: compiling the C++ extension torch_ringreduce._C ({flavour} build): "
               f"{total} files, {args.jobs} at a time (NPROC={args.jobs}): about {about(seconds)} "
-              f"on {cores} idle core{'s' if cores > 1 else ''}, longer while other work shares "
-              "them. Later builds recompile only what changed.", flush=True)
+              f"on {cores} otherwise idle core{'s' if cores > 1 else ''}, longer while other "
+              "work shares them. Later builds recompile only what changed.", flush=True)
     else:
         print(f"build: recompiling what changed in torch_ringreduce._C ({flavour} build; "
               f"a replaced torch recompiles all {total} files, about {about(seconds)})",
