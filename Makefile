@@ -28,10 +28,11 @@ DEPS_BENCH  := $(DEPS_RUN) tqdm
 # scikit-learn's digits; test_docs builds the site with mkdocs)
 DEPS_TEST   := $(DEPS_RUN) pytest hypothesis scikit-learn nbformat nbclient ipykernel matplotlib \
                mkdocs-material==9.*
+DEPS_DOCS   := mkdocs-material==9.*
 DEPS_REPORT := $(DEPS_RUN) tqdm scikit-learn nbformat nbclient ipykernel matplotlib
 
 .PHONY: deps deps-torch deps-build deps-run deps-demo deps-bench deps-test deps-report \
-	build demo demo-collectives test bench report clean
+	deps-docs build demo demo-collectives test bench report docs clean
 
 # $(call install,TARGET,REQUIREMENTS,WHY): pip-installs those of REQUIREMENTS not
 # installed, in one line saying which. set -f: `==9.*` stays a version, not a glob.
@@ -42,7 +43,7 @@ define install
 endef
 
 # Everything every target needs.
-deps: deps-build deps-run deps-demo deps-bench deps-test deps-report
+deps: deps-build deps-run deps-demo deps-bench deps-test deps-docs deps-report
 
 # torch: an installed 2.11+ is used as it is (scripts/check_torch.py); otherwise
 # TORCH_SPEC from TORCH_INDEX, or from pip's default index when it is empty.
@@ -73,6 +74,9 @@ deps-bench:
 
 deps-test:
 	$(call install,deps-test,$(DEPS_TEST),for what tests/ imports and runs)
+
+deps-docs:
+	$(call install,deps-docs,$(DEPS_DOCS),to build the docs site)
 
 deps-report:
 	$(call install,deps-report,$(DEPS_REPORT),for the runs and notebooks of make report)
@@ -117,9 +121,14 @@ bench: deps-bench build
 	$(PY) scripts/bench_collectives.py --nproc 4 --backends ringreduce gloo -b 4K -e 64M -f 4
 
 # Full benchmarks and training comparisons into results/, then the notebooks
-# executed in place (about 40 minutes on 2 cores).
+# executed in place (about 15 minutes on 2 cores).
 report: deps-report build
 	$(PY) scripts/make_report.py
+
+# The docs site into build/site (mkdocs.yml; strict: a broken link or anchor fails).
+# `python -m mkdocs serve` serves it while you edit.
+docs: deps-docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean:
 	rm -rf build *.egg-info torch_ringreduce/_C*.so torch_ringreduce/_build_info.py .build-stamp
