@@ -872,22 +872,23 @@ def test_a_broken_p2p_connection_gives_the_op_in_flight_one_outcome(bare_worlds,
                                          and "injected" in outcome), outcomes
 
 
-def _p2p_around_destroy(ctx):
-    """Remote: rank 0 posts an irecv no one sends, then every rank destroys
-    the group; rank 0 waits on that irecv, and every rank posts a send on
-    the backend it kept. Returns what each wait raised and how long it took."""
-    store = ctx.new_store("p2pdestroy")
+def _p2p_around_destroy(ctx, first):
+    """Remote: rank 0 posts an irecv that rank 1 never sends, then both destroy
+    the group, in an order `first` fixes: "self", rank 0 destroys first (rank 1
+    waits for the store key it sets after), so its receive is still pending at
+    its own destroy; "peer", rank 1 destroys first and rank 0 waits on the
+    receive before destroying, so rank 1's farewell reaches it first. Then every
+    rank posts a send on the backend it kept. Returns what each wait raised and
+    how long it took."""
+    store = ctx.new_store(f"p2pdestroy{first}")
     dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
                             world_size=ctx.world_size, timeout=ctx.pg_timeout)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     pending = dist.irecv(torch.zeros(8), src=1) if ctx.rank == 0 else None
     dist.barrier()
-    dist.destroy_process_group()
     out = {}
-    waits = {"send_after": lambda: backend.send([torch.ones(8)], 1 - ctx.rank, 0).wait()}
-    if pending is not None:
-        waits["pending_recv"] = pending.wait
-    for name, wait in waits.items():
+
+    def timed(name, wait):
         start = time.monotonic()
         try:
             wait()
@@ -895,17 +896,40 @@ def _p2p_around_destroy(ctx):
         except Exception as err:
             out[name] = str(err)
         out[name + "_s"] = time.monotonic() - start
+
+    destroyer = 0 if first == "self" else 1
+    if ctx.rank == destroyer:
+        dist.destroy_process_group()
+        store.set("destroyed", "1")
+    else:
+        store.get("destroyed")  # blocks until the other rank's destroy returned
+        if pending is not None:  # "peer": rank 1 left while the receive was pending
+            timed("pending_recv", pending.wait)
+            pending = None
+        dist.destroy_process_group()
+    if pending is not None:
+        timed("pending_recv", pending.wait)
+    timed("send_after", lambda: backend.send([torch.ones(8)], 1 - ctx.rank, 0).wait())
     return out
 
 
 @pytest.mark.skipif(backend_under_test() != "ringreduce", reason="ringreduce's shutdown")
-def test_point_to_point_after_destroy_raises_at_once(bare_worlds):
-    """A send on a backend kept past destroy_process_group used to reach a
-    freed p2p engine (a crash), and an irecv pending at destroy was never
-    completed (its wait() blocked forever)."""
-    for rank, out in enumerate(bare_worlds(2).run(_p2p_around_destroy, timeout=60)):
+@pytest.mark.parametrize("first", ["self", "peer"])
+def test_point_to_point_after_destroy_raises_at_once(bare_worlds, first):
+    """Sends and receives on a backend kept past destroy_process_group raise at
+    once, and so does a receive pending at it. What a pending receive reports is
+    whichever reached its rank first: this rank's own destroy ("shut down") or
+    the sender's leaving ("rank 1 left the group (destroy_process_group) before
+    sending"); each order is forced here, so each message is checked."""
+    results = bare_worlds(2).run(_p2p_around_destroy, first, timeout=60)
+    assert "pending_recv" in results[0], results
+    for rank, out in enumerate(results):
         for name in [k for k in out if not k.endswith("_s")]:
-            assert "shut down" in out[name], f"rank {rank} {name}: {out}"
+            expected = "shut down"
+            if name == "pending_recv" and first == "peer":
+                expected = ("rank 1 left the group (destroy_process_group) "
+                            "before sending a message for this receive")
+            assert expected in out[name], f"rank {rank} {name}: {out}"
             assert f"rank {rank}" in out[name], f"rank {rank} {name}: {out}"
             assert out[name + "_s"] < 5, f"rank {rank} {name}: {out}"
 
