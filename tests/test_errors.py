@@ -289,7 +289,8 @@ def test_group_timeout_names_the_peer_and_progress(fresh_world, op):
     assert info is not None, f"{op} with a silent peer did not time out"
     assert info["is_dist_backend_error"], f"{info['type']}: {info['msg']}"
     msg = info["msg"]
-    assert "timed out" in msg, msg
+    # the words torch's own tests know a timeout by (distributed_test.py)
+    assert re.search(r" (Timed out|closed|timeout) ", msg), msg
     assert "with rank 1" in msg, msg
     assert re.search(r"got \d+ of \d+ bytes", msg), msg
     if op == "all_reduce":  # the op's tensor, described when the message is built
@@ -328,7 +329,8 @@ def test_work_wait_timeout_leaves_the_op_running(fresh_world):
     info = res0["wait_error"]
     assert info is not None, "wait(timeout=1 s) returned although the peer never joined"
     assert info["is_dist_backend_error"] or info["type"] == "RuntimeError", info
-    assert "wait() timed out" in info["msg"], info["msg"]
+    assert "Timed out after 1000 ms in wait(); the op is still running" in info["msg"], \
+        info["msg"]
     assert re.match(r"\[ringreduce rank 0/2\] allreduce#\d+: ", info["msg"]), info["msg"]
     assert 0.9 <= info["elapsed_s"] < 5, info
     assert res0["late_error"] is None, f"the op failed after wait() timed out: {res0}"
@@ -773,9 +775,9 @@ def test_an_op_a_rank_timed_out_in_fails_on_the_late_peer_too(bare_worlds, shm):
     following the wait chain and publishing its error. A peer that finished
     its transfers in that second used to confirm the op rank 0 failed."""
     outcomes = bare_worlds(2).run(_late_peer_after_a_timeout, shm, timeout=60)
-    assert "timed out" in outcomes[0], outcomes
+    assert "timed out" in outcomes[0].lower(), outcomes
     assert outcomes[1] != "returned", f"rank 1 completed the op rank 0 failed: {outcomes}"
-    assert "rank 0" in outcomes[1] and "timed out" in outcomes[1], outcomes
+    assert "rank 0" in outcomes[1] and "timed out" in outcomes[1].lower(), outcomes
 
 
 def _destroyed_before_its_own_check(ctx, mode):

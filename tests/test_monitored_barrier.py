@@ -35,8 +35,8 @@ def test_every_rank_passes(worlds):
         assert result["elapsed_s"] < TIMEOUT_S, result
 
 
-@pytest.mark.parametrize("wait_all_ranks, named", [(True, "ranks 2, 3 failed"),
-                                                   (False, "rank 2 failed")])
+@pytest.mark.parametrize("wait_all_ranks, named", [(True, "Ranks 2, 3 failed"),
+                                                   (False, "Rank 2 failed")])
 def test_rank0_names_the_missing_ranks(worlds, wait_all_ranks, named):
     results = worlds.run(4, _scenario, (2, 3), wait_all_ranks)
     for rank in (0, 1):
@@ -44,7 +44,8 @@ def test_rank0_names_the_missing_ranks(worlds, wait_all_ranks, named):
         assert res["error"] is not None, f"rank {rank} passed with ranks 2 and 3 absent"
         assert res["type"] == "DistBackendError", res
         assert res["error"].startswith(f"[ringreduce rank {rank}/4] monitored_barrier#"), res
-        assert f"{named} to pass the monitored barrier in 1500 ms" in res["error"], res
+        # gloo's words, which torch's own tests match
+        assert f"{named} to pass monitoredBarrier in 1500 ms" in res["error"], res
         assert TIMEOUT_S - 0.1 < res["elapsed_s"] < TIMEOUT_S + 2, res
     assert results[2] == results[3] == {"called": False}
 
@@ -56,3 +57,23 @@ def test_missing_rank0_is_named_by_the_others(worlds):
         assert res["error"] is not None and "rank 0 did not finish the monitored barrier" in \
             res["error"], res
         assert res["elapsed_s"] < TIMEOUT_S + 2, res
+
+
+def _rank0_alone(ctx, timeout_s):
+    group = dist.new_group(backend="ringreduce")
+    if ctx.rank != 0:
+        return None
+    try:
+        group.monitored_barrier(timedelta(seconds=timeout_s))
+        return "passed"
+    except RuntimeError as err:
+        return str(err).splitlines()[0]
+
+
+def test_rank0_out_of_time_says_it_timed_out(worlds):
+    """A rank 0 whose time ran out before it could wait for a rank (a timeout of
+    0 here) says that it timed out, in the words torch's tests expect of gloo."""
+    error = worlds.run(3, _rank0_alone, 0)[0]
+    assert error.startswith("[ringreduce rank 0/3] monitored_barrier#"), error
+    assert "Rank 0 timed out in monitoredBarrier after 0 ms (rank 1 had not arrived" in error, \
+        error

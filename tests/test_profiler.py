@@ -49,6 +49,10 @@ def _traced(ctx, async_op, which):
         sent = dist.isend(torch.ones(SHAPE), (ctx.rank + 1) % n)
         dist.recv(torch.empty(SHAPE), (ctx.rank - 1) % n)
         sent.wait()
+        # and a receive from any source, named as torch's other backends name it
+        sent = dist.isend(torch.ones(SHAPE), (ctx.rank + 1) % n)
+        dist.recv(torch.empty(SHAPE))
+        sent.wait()
     events = prof.events() if which == "torch.profiler" else prof.function_events
     found = {}
     for e in events:
@@ -62,11 +66,13 @@ def _traced(ctx, async_op, which):
 def test_every_op_is_traced_with_its_shapes(worlds, async_op, which):
     found = worlds.run(2, _traced, async_op, which)[0]
     expected = ["all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
-                "gather", "scatter", "reduce_scatter", "all_to_all", "barrier", "send", "recv"]
+                "gather", "scatter", "reduce_scatter", "all_to_all", "barrier", "send", "recv",
+                "recvAnySource"]
     missing = [op for op in expected if f"ringreduce:{op}" not in found]
     assert not missing, f"no trace event for {missing}; found {sorted(found)}"
     assert found["ringreduce:all_reduce"] == [SHAPE], found
     assert found["ringreduce:all_gather"] == [SHAPE], found  # the input, not the list
     assert found["ringreduce:reduce_scatter"] == [[2 * SHAPE[0], SHAPE[1]]], found
     assert found["ringreduce:send"] == [SHAPE], found
+    assert found["ringreduce:recvAnySource"] == [SHAPE], found
     assert found["ringreduce:barrier"] == [], found

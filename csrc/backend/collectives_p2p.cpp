@@ -43,11 +43,21 @@ void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
     return;
   }
   std::vector<int> missing;
+  // Without wait_all_ranks, a rank found missing once rank 0's own time had run
+  // out (a timeout of 0, or the earlier ranks took it all) was never waited
+  // for: rank 0 timed out, as gloo says. The words are gloo's, which torch's
+  // tests match ("Rank 1 failed to pass monitoredBarrier", "Rank 0 timed out
+  // in monitoredBarrier").
+  bool rank0TimedOut = false;
   for (int r = 1; r < getSize(); ++r) {
+    const bool late = Clock::now() >= deadline;
     // Past the deadline this still sees a rank that did arrive.
     if (!st.waitFor(key(std::to_string(r)), deadline, what)) {
       missing.push_back(r);
-      if (!waitAllRanks) break;
+      if (!waitAllRanks) {
+        rank0TimedOut = late;
+        break;
+      }
     }
   }
   if (missing.empty()) {
@@ -59,9 +69,12 @@ void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
     ranks += (i ? ", " : "") + std::to_string(missing[i]);
   }
   const std::string verdict =
-      (missing.size() == 1 ? "rank " : "ranks ") + ranks + " failed to pass the monitored " +
-      "barrier in " + ms + " (seen by rank 0" +
-      (waitAllRanks ? "" : "; wait_all_ranks=True lists every missing rank") + ")";
+      rank0TimedOut
+          ? "Rank 0 timed out in monitoredBarrier after " + ms + " (rank " + ranks +
+                " had not arrived; wait_all_ranks=True lists every missing rank)"
+          : (missing.size() == 1 ? "Rank " : "Ranks ") + ranks +
+                " failed to pass monitoredBarrier in " + ms + " (seen by rank 0" +
+                (waitAllRanks ? "" : "; wait_all_ranks=True lists every missing rank") + ")";
   st.set(key("verdict"), verdict, verdictBy, what);  // the ranks that came raise it too
   throwTransportError(prefix + verdict);
 }

@@ -172,7 +172,7 @@ std::function<void()> RingBackend::gpuWaitCheck(const OpInfo& op) const {
     if (!reason.empty()) throwTransportError(unusable(op, reason));
     if (std::chrono::steady_clock::now() > op.deadline) {
       throwTransportError(op.ctx.message(
-          "timed out after " + std::to_string(op.timeout.count()) +
+          "Timed out after " + std::to_string(op.timeout.count()) +
           " ms waiting for the GPU to finish the work queued before the op (its inputs are "
           "copied to the host after it)"));
     }

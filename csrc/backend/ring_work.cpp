@@ -38,8 +38,9 @@ const char* RingWork::profilingTitle(c10d::OpType type) {
     case T::ALLTOALL:
     case T::ALLTOALL_BASE: return "ringreduce:all_to_all";
     case T::SEND: return "ringreduce:send";
-    case T::RECV:
-    case T::RECVANYSOURCE: return "ringreduce:recv";
+    case T::RECV: return "ringreduce:recv";
+    // torch's other backends name a receive from any source so ("gloo:recvAnySource").
+    case T::RECVANYSOURCE: return "ringreduce:recvAnySource";
     case T::BARRIER: return "ringreduce:barrier";
     default: return "ringreduce:unknown";
   }
@@ -114,8 +115,8 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
   if (timeout == kNoTimeout) {
     doneCv_.wait(lock, [this] { return done_; });
   } else if (!doneCv_.wait_for(lock, timeout, [this] { return done_; })) {
-    throwTransportError(ctx_.message("wait() timed out after " + std::to_string(timeout.count()) +
-                                     " ms; the op is still running"));
+    throwTransportError(ctx_.message("Timed out after " + std::to_string(timeout.count()) +
+                                     " ms in wait(); the op is still running"));
   }
   if (error_) {
     std::rethrow_exception(error_);

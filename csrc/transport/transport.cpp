@@ -69,7 +69,8 @@ void startProgress(const OpInfo& op, std::vector<SendSpec>& sends, std::vector<R
 
 std::pair<int, std::string> timeoutReport(const OpInfo& op, const std::vector<SendProgress>& sends,
                                           const std::vector<RecvProgress>& recvs) {
-  const std::string after = "timed out after " + std::to_string(op.timeout.count()) + " ms ";
+  // "Timed out" capitalised: torch's own tests know a timeout by " Timed out ".
+  const std::string after = "Timed out after " + std::to_string(op.timeout.count()) + " ms ";
   for (auto& r : recvs) {
     if (!r.finished() && r.spec->step == kAckStep) {
       return {r.spec->peer, after + "waiting for its acknowledgement (it has not finished its "

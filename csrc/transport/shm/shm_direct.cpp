@@ -161,7 +161,7 @@ class ShmSharedBuffers : public SharedBuffers {
     const std::function<void()> timedOut = [&] {
       int peer = -1;
       behind(which, round, &peer);
-      mesh_.failTimeout(op, peer >= 0 ? members_.ranks[peer] : -1, "timed out after " + std::to_string(op.timeout.count()) +
+      mesh_.failTimeout(op, peer >= 0 ? members_.ranks[peer] : -1, "Timed out after " + std::to_string(op.timeout.count()) +
                                        " ms waiting for the peer to " + doing +
                                        " of the shared-memory two-step all-reduce");
     };

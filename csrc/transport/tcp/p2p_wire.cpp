@@ -250,7 +250,7 @@ void P2PEngine::expire(std::vector<Completion>& done) {
     auto& queue = sends_[peer];
     if (!queue.empty() && queue.front().op.deadline <= now) {
       fatal(queue.front().op.ctx.message("send to rank " + std::to_string(peer) +
-                                         " timed out after sending " +
+                                         ": Timed out after sending " +
                                          std::to_string(queue.front().done) + " of " +
                                          std::to_string(sizeof(WireHeader) +
                                                         queue.front().header.bytes) +
@@ -264,12 +264,12 @@ void P2PEngine::expire(std::vector<Completion>& done) {
     if (it->op.deadline > now) {
       ++it;
     } else if (inFlight) {
-      fatal(it->op.ctx.message("recv timed out in the middle of a message"), done);
+      fatal(it->op.ctx.message("recv: Timed out in the middle of a message"), done);
       return;
     } else {
       std::string from = it->peer < 0 ? "any rank" : "rank " + std::to_string(it->peer);
       done.push_back({std::move(it->cb), {it->peer, transportError(it->op.ctx.message(
-                                                        "timed out waiting for a message from " +
+                                                        "Timed out waiting for a message from " +
                                                         from + " with tag " +
                                                         std::to_string(it->tag)))}});
       it = recvs_.erase(it);

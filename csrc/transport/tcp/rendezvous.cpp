@@ -162,7 +162,7 @@ void TcpMesh::connectMesh(std::chrono::milliseconds timeout) {
       return ranks;
     };
     connected_.wait_until(lock, deadline, [&] { return missing().empty(); });
-    TORCH_CHECK(missing().empty(), prefix, " connecting the group timed out after ",
+    TORCH_CHECK(missing().empty(), prefix, " connecting the group: Timed out after ",
                 timeout.count(), " ms: no connection from rank(s) ", missing(),
                 " (did every rank call init_process_group / new_group?)");
     // Inside the try: an engine that cannot start (no fd for its pipe, no

@@ -238,7 +238,7 @@ std::string transferFully(int fd, char* p, size_t n, Clock::time_point deadline,
     pollfd pfd{fd, static_cast<short>(reading ? POLLIN : POLLOUT), 0};
     int ready = poll(&pfd, 1, millisUntil(deadline));
     if (ready == 0) {
-      return "timed out after " + std::to_string(done) + " of " + std::to_string(n) + " bytes";
+      return "Timed out after " + std::to_string(done) + " of " + std::to_string(n) + " bytes";
     }
     if (ready < 0) {
       if (errno == EINTR) continue;
