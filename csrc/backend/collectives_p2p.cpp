@@ -96,6 +96,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
   op.timeout = timeout_;
   op.deadline = std::chrono::steady_clock::now() + timeout_;
   auto work = c10::make_intrusive<RingWork>(op.ctx, c10d::OpType::SEND, tensors);
+  track(work);
   // CUDA: the host waits for the copy to the host; the message leaves now.
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
   at::Tensor h = stage.in(t);
@@ -146,6 +147,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
   at::Tensor h = stage.out(t);  // CUDA: copied back on the internal stream
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, tensors, std::move(stage));
+  track(work);
   at::Tensor s = staged(h);
   traffic_->countOp("recv");
   std::shared_ptr<Traffic> traffic = traffic_;

@@ -3,6 +3,7 @@
 // the barriers in collectives_p2p.cpp, the collectives in collectives*.cpp.
 #include "backend/ring_backend.h"
 
+#include <algorithm>
 #include <future>
 #include <iterator>
 #include <system_error>
@@ -182,6 +183,59 @@ std::function<void()> RingBackend::gpuWaitCheck(const OpInfo& op) const {
 void RingBackend::abort() {
   transport_->abort(rankPrefix(getRank(), getSize()) + " abort() was called");
   shutdown();
+}
+
+void RingBackend::registerOnCompletionHook(
+    std::function<void(std::shared_ptr<c10d::WorkInfo>)>&& hook) {
+  TORCH_CHECK_VALUE(!onCompletionHook_, rankPrefix(getRank(), getSize()),
+                    " registerOnCompletionHook: a hook is registered already (one per group)");
+  TORCH_CHECK_VALUE(hook != nullptr, rankPrefix(getRank(), getSize()),
+                    " registerOnCompletionHook: the hook is empty");
+  onCompletionHook_ = std::move(hook);
+}
+
+void RingBackend::track(const c10::intrusive_ptr<RingWork>& work) {
+  if (onCompletionHook_) work->setCompletionHook(onCompletionHook_);
+  std::lock_guard<std::mutex> lock(trackedMu_);
+  // Pruned when it doubled since the last pruning: amortised O(1) per op even
+  // with many async ops outstanding.
+  if (tracked_.size() >= pruneAt_) {
+    tracked_.erase(std::remove_if(tracked_.begin(), tracked_.end(),
+                                  [](const c10::weak_intrusive_ptr<RingWork>& w) {
+                                    auto strong = w.lock();
+                                    return !strong || strong->isCompleted();
+                                  }),
+                   tracked_.end());
+    pruneAt_ = std::max<size_t>(64, 2 * tracked_.size());
+  }
+  tracked_.emplace_back(work);
+}
+
+void RingBackend::waitForPendingWorks() {
+  std::vector<c10::weak_intrusive_ptr<RingWork>> works;
+  {
+    std::lock_guard<std::mutex> lock(trackedMu_);
+    works.swap(tracked_);
+  }
+  for (auto& weak : works) {
+    auto work = weak.lock();
+    if (!work) continue;
+    try {
+      work->wait();
+    } catch (const std::exception&) {
+      // Its error is its Work's to report.
+    }
+  }
+}
+
+c10d::ErrorType RingBackend::getError() {
+  switch (transport_->mesh().failure()) {
+    case Mesh::Failure::kTimeout: return c10d::ErrorType::TIMEOUT;
+    case Mesh::Failure::kLocal: return c10d::ErrorType::COMM_ERROR;
+    case Mesh::Failure::kRemote: return c10d::ErrorType::REMOTE_ERROR;
+    case Mesh::Failure::kNone: break;
+  }
+  return c10d::ErrorType::SUCCESS;
 }
 
 std::chrono::milliseconds RingBackend::effective(std::chrono::milliseconds opTimeout) const {

@@ -121,6 +121,25 @@ class RingBackend : public c10d::Backend {
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override;
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  // Every Work as it is created: the completion hook, and the list
+  // waitForPendingWorks reads (a mutex and a weak reference per op).
+  void track(const c10::intrusive_ptr<RingWork>& work);
+
+  // torch's hooks. Every Work is timed (getDuration: from the op's start to
+  // its end), so enabling the timing changes nothing. The onCompletion hook
+  // (one per group, registered before the ops it should see) runs on the
+  // thread that completed each Work, after its Future. getError: why this
+  // rank's first failed collective failed (TIMEOUT, COMM_ERROR for a failure
+  // here, REMOTE_ERROR when the group's first error was another rank's), or
+  // SUCCESS.
+  void enableCollectivesTiming() override {}
+  void registerOnCompletionHook(
+      std::function<void(std::shared_ptr<c10d::WorkInfo>)>&& hook) override;
+  c10d::ErrorType getError() override;
+  // Waits until every op issued on this group so far has completed or failed
+  // (their errors stay with their Works). torch calls it at destroy when a
+  // completion hook is registered.
+  void waitForPendingWorks() override;
   // Fails pending ops, stops the worker, closes sockets. Idempotent.
   void shutdown() override;
   void abort() override;
@@ -252,6 +271,11 @@ class RingBackend : public c10d::Backend {
   void watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak);
   bool rescuingLocked() const { return rescue_ && settled_ == rescueMark_ && stalledLocked(); }
 
+  // Works not yet seen completed (track, waitForPendingWorks); completed ones
+  // are dropped as new ones come.
+  std::mutex trackedMu_;
+  std::vector<c10::weak_intrusive_ptr<RingWork>> tracked_;  // guarded by trackedMu_
+  size_t pruneAt_ = 64;                                      // guarded by trackedMu_
   std::unique_ptr<Transport> transport_;  // per peer: shared memory or TCP (factory.h)
   std::chrono::milliseconds timeout_;
   size_t segmentBytes_;

@@ -220,6 +220,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
   if (issuing.backend == this && issuing.seq == op.ctx.seq) issuing.queued = true;
   auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs), std::move(stage),
                                             inputs);
+  track(work);
   Entry e{std::move(op), effective(opTimeout), work, std::move(run), tSettlingDepth > 0};
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -301,6 +302,7 @@ std::exception_ptr RingBackend::runEntry(Entry& e) {
   at::AutoDispatchBelowADInplaceOrView raw;
   e.op.timeout = e.timeout;
   e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
+  e.work->markStarted();
   Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, traffic_.get(), allreduce_};
   DeviceStage& stage = e.work->stage();
   try {

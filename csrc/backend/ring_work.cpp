@@ -56,7 +56,9 @@ RingWork::RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> out
       outputs_(std::move(outputs)),
       stage_(std::move(stage)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()), devicesOf(stage_))) {
+          c10::ListType::create(c10::TensorType::get()), devicesOf(stage_))),
+      started_(std::chrono::steady_clock::now()),
+      finished_(started_) {
   std::atomic<int64_t>& throwing = testThrowingCallbacks();
   if (throwing.load(std::memory_order_relaxed) > 0 && throwing.fetch_sub(1) > 0) {
     future_->addCallback(
@@ -159,7 +161,41 @@ void RingWork::endProfiling() {
 
 // The Future completes before wait() can return (as gloo's works do), so
 // `work.wait(); work.get_future().value()` never finds it pending.
+void RingWork::markStarted() {
+  std::lock_guard<std::mutex> lock(doneMu_);
+  started_ = std::chrono::steady_clock::now();
+}
+
+void RingWork::markFinished() {
+  std::lock_guard<std::mutex> lock(doneMu_);
+  finished_ = std::chrono::steady_clock::now();
+}
+
+float RingWork::getDuration() const {
+  std::lock_guard<std::mutex> lock(doneMu_);
+  TORCH_CHECK(done_, ctx_.message("getDuration(): the op has not completed yet"));
+  return std::chrono::duration<float, std::milli>(finished_ - started_).count();
+}
+
+// Runs last, once the Work is done: a hook that throws is logged, as a
+// Future's callback that throws is, and changes nothing.
+void RingWork::runCompletionHook() {
+  if (!completionHook_) return;
+  std::shared_ptr<c10d::WorkInfo> info;
+  {
+    std::lock_guard<std::mutex> lock(doneMu_);
+    info = std::make_shared<c10d::WorkInfo>(opType_, ctx_.seq, started_, finished_,
+                                            finished_ - started_);
+  }
+  try {
+    completionHook_(std::move(info));
+  } catch (const std::exception& err) {
+    TORCH_WARN(ctx_.message(std::string("the onCompletion hook raised: ") + err.what()));
+  }
+}
+
 void RingWork::complete(int sourceRank) {
+  markFinished();
   endProfiling();
   {
     std::lock_guard<std::mutex> lock(doneMu_);
@@ -173,9 +209,11 @@ void RingWork::complete(int sourceRank) {
     done_ = true;
   }
   doneCv_.notify_all();
+  runCompletionHook();
 }
 
 void RingWork::fail(std::exception_ptr error) {
+  markFinished();
   endProfiling();
   {
     std::lock_guard<std::mutex> lock(doneMu_);
@@ -189,6 +227,7 @@ void RingWork::fail(std::exception_ptr error) {
     done_ = true;
   }
   doneCv_.notify_all();
+  runCompletionHook();
 }
 
 // Completing the Future runs its callbacks inline on this thread (the

@@ -48,6 +48,17 @@ class RingWork : public c10d::Work {
   void blockCurrentStream() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override;
+  // Milliseconds from the op's start (its run on a worker or the calling
+  // thread; a point-to-point op's post) to its completion or failure; raises
+  // while it is still running.
+  float getDuration() const override;
+
+  // The op starts running now (it was created when issued).
+  void markStarted();
+  // Called with the op's WorkInfo once it completed or failed, after its
+  // Future (torch's onCompletion hook; set before the Work is returned).
+  using CompletionHook = std::function<void(std::shared_ptr<c10d::WorkInfo>)>;
+  void setCompletionHook(CompletionHook hook) { completionHook_ = std::move(hook); }
 
   DeviceStage& stage() { return stage_; }
   // The backend's count of Works being settled whose Future was taken
@@ -86,8 +97,11 @@ class RingWork : public c10d::Work {
  private:
   void endProfiling();
   void settleFuture(const std::function<void()>& settle);
+  void markFinished();
+  void runCompletionHook();
 
   std::function<void(RingWork*)> helper_;
+  CompletionHook completionHook_;
   const OpContext ctx_;
   std::vector<at::Tensor> outputs_;
   DeviceStage stage_;
@@ -105,6 +119,10 @@ class RingWork : public c10d::Work {
   bool done_ = false;        // guarded by doneMu_
   int sourceRank_ = -1;      // guarded by doneMu_
   std::exception_ptr error_;  // guarded by doneMu_
+  // The op's start and end, for getDuration and the completion hook: started_
+  // is written before the op runs and read after done_ (doneMu_ orders both).
+  std::chrono::steady_clock::time_point started_;   // guarded by doneMu_
+  std::chrono::steady_clock::time_point finished_;  // guarded by doneMu_
 };
 
 }  // namespace ringreduce

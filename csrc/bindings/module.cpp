@@ -79,6 +79,16 @@ PYBIND11_MODULE(_C, m) {
       .def("abort_reason", &ringreduce::RingBackend::abortReason,
            "'' while the group is healthy; else why this rank aborted it (its first failure, "
            "destroy_process_group with ops pending, abort())")
+      .def(
+          "get_error",
+          [](ringreduce::RingBackend& b) {
+            // torch's own enum (torch.distributed's ErrorType), as NCCL's returns.
+            return py::module_::import("torch._C._distributed_c10d")
+                .attr("ErrorType")(static_cast<int>(b.getError()));
+          },
+          "Why this rank's first failed collective failed: ErrorType.TIMEOUT, COMM_ERROR (a "
+          "connection or a check failed here), REMOTE_ERROR (the group's first error was "
+          "another rank's), or SUCCESS")
       .def("reset_stats", &ringreduce::RingBackend::resetTraffic,
            "Zeroes the counters that stats() reports")
       .def(

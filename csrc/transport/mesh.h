@@ -59,6 +59,12 @@ class Mesh {
   virtual void setAbortHook(std::function<void()> hook) = 0;
   virtual bool aborted() const = 0;
   virtual std::string abortReason() const = 0;
+  // What made this rank fail its first failed collective (failOp,
+  // failTimeout), set once: a timeout here, a failure here (a connection, a
+  // check), or another rank's error (the group's first published error was
+  // not this rank's). kNone until then, and for aborts no op failed in.
+  enum class Failure { kNone, kTimeout, kLocal, kRemote };
+  virtual Failure failure() const = 0;
 
   // A collective this rank rejected at the call (a bad argument) still takes
   // its sequence number: publishRejected says so in the store (best effort,

@@ -62,8 +62,11 @@ void TcpMesh::fail(const OpInfo& op, int peer, const std::string& what, bool tim
     message += waitChain(op, peer);
   }
   // Looked up before this rank publishes its own error, so it finds a peer's.
-  bool answered = false;
-  const std::string cause = groupCause(message, &answered);
+  bool answered = false, remote = false;
+  const std::string cause = groupCause(message, &answered, &remote);
+  int none = static_cast<int>(Failure::kNone);
+  const Failure kind = timedOut ? Failure::kTimeout : remote ? Failure::kRemote : Failure::kLocal;
+  failure_.compare_exchange_strong(none, static_cast<int>(kind));
   if (!followChain) abandon(op, midMessage);
   // A store that did not answer that will not answer this either.
   if (noteRejection && answered) message += rejectionNote(op);
@@ -91,7 +94,7 @@ void TcpMesh::awaitPeerError() {
   }
 }
 
-std::string TcpMesh::groupCause(const std::string& mine, bool* storeAnswered) {
+std::string TcpMesh::groupCause(const std::string& mine, bool* storeAnswered, bool* remote) {
   if (size_ == 1) return "";
   bool answered = false;
   auto first = store_.tryGet(storeBase_ + kAbortKey, Clock::now() + kLookupBudget, &answered);
@@ -101,6 +104,7 @@ std::string TcpMesh::groupCause(const std::string& mine, bool* storeAnswered) {
            std::to_string(kLookupBudget.count()) + " ms)";
   }
   if (!first || *first == mine) return "";
+  if (remote != nullptr) *remote = true;
   return "; first error in the group: " + *first;
 }
 

@@ -63,6 +63,7 @@ class TcpMesh : public Mesh {
   void setAbandonHook(std::function<void(const OpInfo&)> hook) override;
   void setAbortHook(std::function<void()> hook) override;
   bool aborted() const override { return aborted_; }
+  Failure failure() const override { return static_cast<Failure>(failure_.load()); }
   std::string abortReason() const override;
   void publishRejected(uint64_t seq, const std::string& message) override;
   void lookForRejection(const OpInfo& op, std::chrono::steady_clock::duration idle) override;
@@ -122,7 +123,9 @@ class TcpMesh : public Mesh {
   // " first error in the group: ..." or why it is unknown; "" when this rank's
   // error is the first.
   // *storeAnswered (if given): whether the store answered the lookup.
-  std::string groupCause(const std::string& mine, bool* storeAnswered = nullptr);
+  // `remote`: the group's first error is another rank's.
+  std::string groupCause(const std::string& mine, bool* storeAnswered = nullptr,
+                         bool* remote = nullptr);
   // After a timeout waiting for `peer`: follows the ranks' published waits to
   // the rank that made no progress ("; rank 2 waits for rank 0; rank 0 made no
   // progress ..."), or "" when the store cannot tell.
@@ -172,6 +175,7 @@ class TcpMesh : public Mesh {
 
   WaitPolicy wait_;  // spin, yield, sleep: adapts to the machine (thread-safe)
   std::atomic<bool> aborted_{false};
+  std::atomic<int> failure_{0};  // a Failure, set once by fail()
   std::mutex hookMu_;
   std::function<void(const OpInfo&)> abandonHook_;  // guarded by hookMu_
   // Its own lock: the hook takes the transport's confirm lock, under which

@@ -1,0 +1,158 @@
+"""torch's Backend hooks on ringreduce: Work durations (enableCollectivesTiming),
+the onCompletion hook and getError, each checked against what the ops did."""
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import backend_under_test
+
+pytestmark = pytest.mark.skipif(backend_under_test() != "ringreduce",
+                                reason="ringreduce's own hooks")
+CPU = torch.device("cpu")
+LATE_S = 0.3  # how long the late rank sleeps before joining
+
+
+def _durations(ctx):
+    """Rank 1 joins the first all-reduce LATE_S late: rank 0's op lasts at least
+    that long. The second op has no late rank. Each duration is bounded by the
+    wall time around its call."""
+    group = dist.new_group(backend="ringreduce")
+    group._enable_collectives_timing()
+    out = {}
+    for name, late in (("late", ctx.rank == 1), ("prompt", False)):
+        dist.barrier(group)
+        if late:
+            time.sleep(LATE_S)
+        t = torch.ones(1024)
+        start = time.monotonic()
+        work = dist.all_reduce(t, group=group, async_op=True)
+        work.wait()
+        wall_ms = (time.monotonic() - start) * 1000
+        out[name] = {"duration_ms": work._get_duration(), "wall_ms": wall_ms,
+                     "sum": t[0].item()}
+    dist.destroy_process_group(group)
+    return out
+
+
+def test_work_duration_is_the_ops_time(worlds):
+    for rank, out in enumerate(worlds.run(2, _durations)):
+        for name, res in out.items():
+            assert res["sum"] == 2.0, (rank, out)
+            assert 0 < res["duration_ms"] <= res["wall_ms"] + 1, (rank, name, out)
+        if rank == 0:  # waited for the late rank inside the op
+            assert out["late"]["duration_ms"] >= LATE_S * 1000 * 0.8, out
+
+
+def _completion_hook(ctx):
+    """Every op of the group (collectives and point-to-point) reaches the hook
+    once, with its op type and sequence number, after its Work completed."""
+    group = dist.new_group(backend="ringreduce")
+    seen = []
+    group._register_on_completion_hook(
+        lambda info: seen.append((str(info.op_type), info.seq,
+                                  info.active_duration.total_seconds(),
+                                  info.time_finished >= info.time_started)))
+    try:
+        group._register_on_completion_hook(lambda info: None)
+        second = "accepted"
+    except ValueError as err:
+        second = str(err)
+    t = torch.ones(8)
+    dist.all_reduce(t, group=group)
+    dist.broadcast(t, src=0, group=group)
+    peer = 1 - ctx.rank
+    sent = dist.isend(torch.ones(8), peer, group=group)
+    dist.recv(torch.empty(8), peer, group=group)
+    sent.wait()
+    deadline = time.monotonic() + 10
+    while len(seen) < 4 and time.monotonic() < deadline:  # the hook runs after wait()
+        time.sleep(0.01)
+    dist.destroy_process_group(group)
+    return {"seen": seen, "second": second}
+
+
+def test_on_completion_hook_sees_every_op(worlds):
+    for rank, out in enumerate(worlds.run(2, _completion_hook)):
+        seen = out["seen"]
+        types = sorted(s[0].split(".")[-1] for s in seen)
+        assert types == ["ALLREDUCE", "BROADCAST", "RECV", "SEND"], (rank, seen)
+        assert all(s[2] >= 0 and s[3] for s in seen), (rank, seen)
+        collectives = sorted(s[1] for s in seen if s[0].endswith(("ALLREDUCE", "BROADCAST")))
+        assert collectives == [1, 2], (rank, seen)
+        assert "a hook is registered already" in out["second"], out
+
+
+def _error_types(ctx):
+    """SUCCESS while healthy. Then rank 1 runs an all-reduce with a 1 s timeout
+    and rank 2 never joins it: rank 1 times out (TIMEOUT), and rank 0, whose
+    own timeout is the group's, fails because rank 1 gave up (REMOTE_ERROR)."""
+    group = dist.new_group(backend="ringreduce")
+    backend = group._get_backend(CPU)
+    before = str(backend.get_error())
+    sync = ctx.new_store("errtypes")
+    if ctx.rank == 2:
+        sync.wait(["done0", "done1"], timedelta(seconds=60))
+        return {"before": before, "after": str(backend.get_error())}
+    opts = dist.AllreduceOptions()
+    if ctx.rank == 1:
+        opts.timeout = timedelta(seconds=1)
+    try:
+        backend.allreduce([torch.ones(16)], opts).wait()
+        raised = None
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        raised = str(err)
+    sync.set(f"done{ctx.rank}", "1")
+    return {"before": before, "after": str(backend.get_error()), "raised": raised}
+
+
+def test_get_error_says_timeout_remote_or_success(fresh_world):
+    world = fresh_world(3, pg_timeout_s=30)
+    results = world.run(_error_types, timeout=90)
+    for res in results:
+        assert res["before"].endswith("SUCCESS"), results
+    assert results[1]["raised"] is not None and results[0]["raised"] is not None, results
+    assert results[1]["after"].endswith("TIMEOUT"), results
+    assert results[0]["after"].endswith("REMOTE_ERROR"), results
+    assert results[2]["after"].endswith("SUCCESS"), results
+
+
+def _mismatch(ctx):
+    group = dist.new_group(backend="ringreduce")
+    backend = group._get_backend(CPU)
+    try:
+        dist.all_reduce(torch.ones(16 * (ctx.rank + 1)), group=group)
+    except Exception:  # noqa: BLE001 - the mismatch is expected
+        pass
+    return str(backend.get_error())
+
+
+def test_get_error_of_a_mismatch_names_the_rank_that_found_it(fresh_world):
+    """The first rank to fail found the mismatch itself (COMM_ERROR); a rank may
+    instead learn it from that rank's error (REMOTE_ERROR)."""
+    kinds = fresh_world(2).run(_mismatch, timeout=60)
+    assert all(k.endswith(("COMM_ERROR", "REMOTE_ERROR")) for k in kinds), kinds
+    assert any(k.endswith("COMM_ERROR") for k in kinds), kinds
+
+
+def _pending(ctx):
+    """Rank 1 joins LATE_S late; rank 0's wait for pending works returns only
+    once its async all-reduce is done."""
+    group = dist.new_group(backend="ringreduce")
+    dist.barrier(group)
+    if ctx.rank == 1:
+        time.sleep(LATE_S)
+    t = torch.ones(64)
+    work = dist.all_reduce(t, group=group, async_op=True)
+    group._wait_for_pending_works()
+    done = work.is_completed()
+    work.wait()
+    dist.destroy_process_group(group)
+    return {"done": done, "sum": t[0].item()}
+
+
+def test_wait_for_pending_works_waits_for_every_op(worlds):
+    for rank, out in enumerate(worlds.run(2, _pending)):
+        assert out == {"done": True, "sum": 2.0}, (rank, out)
