@@ -3,6 +3,8 @@
 // the barriers in collectives_p2p.cpp, the collectives in collectives*.cpp.
 #include "backend/ring_backend.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 #include <algorithm>
 #include <future>
 #include <iterator>
@@ -33,7 +35,7 @@ AllreduceAlgorithm allreduceFromEnv() {
 
 RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                          std::chrono::milliseconds timeout)
-    : c10d::Backend(rank, size), timeout_(timeout) {
+    : c10d::Backend(rank, size), timeout_(timeout), store_(store) {
   TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "[ringreduce] invalid rank ", rank,
                     " for world size ", size);
   int64_t segment = envInt(kEnvSegmentBytes, kDefaultSegmentBytes);
@@ -183,6 +185,37 @@ std::function<void()> RingBackend::gpuWaitCheck(const OpInfo& op) const {
 void RingBackend::abort() {
   transport_->abort(rankPrefix(getRank(), getSize()) + " abort() was called");
   shutdown();
+}
+
+c10::intrusive_ptr<c10d::Backend> RingBackend::shrink(const std::vector<int64_t>& ranksToExclude,
+                                                     int shrinkFlags,
+                                                     const c10::intrusive_ptr<Options>&) {
+  const std::string what = rankPrefix(getRank(), getSize()) + " shrink_group";
+  std::vector<char> excluded(getSize(), 0);
+  std::string key = "shrink/" + std::to_string(++shrinks_) + "/without";
+  for (int64_t r : ranksToExclude) {
+    TORCH_CHECK_VALUE(r >= 0 && r < getSize(), what, ": rank ", r, " is not in this group of ",
+                      getSize());
+    TORCH_CHECK_VALUE(!excluded[r], what, ": rank ", r, " is excluded twice");
+    excluded[r] = 1;
+  }
+  TORCH_CHECK_VALUE(!excluded[getRank()], what,
+                    ": this rank is excluded; only the remaining ranks call shrink_group");
+  int newRank = 0, newSize = 0;
+  for (int r = 0; r < getSize(); ++r) {
+    if (excluded[r]) {
+      key += "-" + std::to_string(r);  // ranks that disagree on the set never meet
+      continue;
+    }
+    newRank += r < getRank();
+    ++newSize;
+  }
+  if ((shrinkFlags & kShrinkAbort) != 0) {
+    transport_->abort(what + " with SHRINK_ABORT ended the ops still running");
+  }
+  waitForPendingWorks();  // they have failed (SHRINK_ABORT) or complete or fail now
+  auto store = c10::make_intrusive<c10d::PrefixStore>(key + "/", store_);
+  return RingBackend::create(store, newRank, newSize, timeout_);
 }
 
 void RingBackend::registerOnCompletionHook(

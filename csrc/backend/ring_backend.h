@@ -133,6 +133,19 @@ class RingBackend : public c10d::Backend {
   // here, REMOTE_ERROR when the group's first error was another rank's), or
   // SUCCESS.
   void enableCollectivesTiming() override {}
+
+  // dist.shrink_group: a new group of the ranks not in `ranksToExclude`,
+  // renumbered in order, with its own transports (shared memory where they
+  // share a host, TCP across) met through this group's store under a key of
+  // its own; every remaining rank must call it with the same ranks. First the
+  // ops still pending here end: SHRINK_ABORT aborts them at once; otherwise
+  // they complete, or fail as they would (a lost rank is found within about a
+  // second; a stopped one at the timeout). torch destroys this group after.
+  bool supportsShrinking() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
+      const c10::intrusive_ptr<Options>& optsOverride = nullptr) override;
+  static constexpr int kShrinkAbort = 0x01;  // torch.distributed.SHRINK_ABORT
   void registerOnCompletionHook(
       std::function<void(std::shared_ptr<c10d::WorkInfo>)>&& hook) override;
   c10d::ErrorType getError() override;
@@ -278,6 +291,8 @@ class RingBackend : public c10d::Backend {
   size_t pruneAt_ = 64;                                      // guarded by trackedMu_
   std::unique_ptr<Transport> transport_;  // per peer: shared memory or TCP (factory.h)
   std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10d::Store> store_;  // the group's, for shrink()
+  int shrinks_ = 0;                        // shrink() calls, each with a key of its own
   size_t segmentBytes_;
   AllreduceAlgorithm allreduce_;  // RINGREDUCE_ALLREDUCE, read once
   // Atomics: updated by the worker, transport threads and callers. Shared with

@@ -164,7 +164,7 @@ void TcpMesh::connectMesh(std::chrono::milliseconds timeout) {
     connected_.wait_until(lock, deadline, [&] { return missing().empty(); });
     TORCH_CHECK(missing().empty(), prefix, " connecting the group: Timed out after ",
                 timeout.count(), " ms: no connection from rank(s) ", missing(),
-                " (did every rank call init_process_group / new_group?)");
+                " (did every rank call init_process_group / new_group / shrink_group?)");
     // Inside the try: an engine that cannot start (no fd for its pipe, no
     // thread) must not leave the accept thread running (std::terminate).
     p2p_ = P2PEngine::start(

@@ -1,0 +1,180 @@
+"""dist.shrink_group on ringreduce: the remaining ranks get a working group of
+their own, renumbered as torch documents, after a rank leaves on purpose or is
+SIGKILLed mid-op; nothing of the old group's failed op reaches the new one."""
+import glob
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from _harness import World, backend_under_test
+
+pytestmark = [
+    pytest.mark.skipif(backend_under_test() != "ringreduce", reason="ringreduce's shrink"),
+    pytest.mark.skipif(not hasattr(dist, "shrink_group"), reason="torch has no shrink_group"),
+]
+SHRINK_FLAGS = [getattr(c10d, "SHRINK_DEFAULT", 0), getattr(c10d, "SHRINK_ABORT", 1)]
+SHM_GLOB = "/dev/shm/ringreduce-*"
+
+
+@pytest.fixture(scope="module")
+def bare_worlds(backend, tmp_path_factory):
+    """Worlds whose ranks join no group (each case makes its own), by size."""
+    made = {}
+
+    def get(world_size):
+        if world_size not in made or made[world_size].broken:
+            made[world_size] = World(world_size, tmp_path_factory.mktemp("bare"),
+                                     backend=backend, init=False, pg_timeout_s=30)
+        return made[world_size]
+
+    yield get
+    for world in made.values():
+        world.close(timeout=10.0)
+CPU = torch.device("cpu")
+
+
+def _check_new_group(ctx, survivors):
+    """The shrunk default group: its size and this rank's new number, and an
+    all-reduce, a broadcast and a send/recv ring checked against closed forms."""
+    new_rank, size = dist.get_rank(), dist.get_world_size()
+    t = torch.full((1000,), float(ctx.rank + 1))
+    dist.all_reduce(t)
+    expected = float(sum(r + 1 for r in survivors))
+    b = torch.full((7,), float(ctx.rank)) if new_rank == 0 else torch.zeros(7)
+    dist.broadcast(b, src=0)
+    sent = dist.isend(torch.full((3,), float(new_rank)), (new_rank + 1) % size)
+    got = torch.zeros(3)
+    dist.recv(got, (new_rank - 1) % size)
+    sent.wait()
+    return {"rank": new_rank, "size": size, "sum_ok": bool(torch.all(t == expected)),
+            "bcast": b[0].item(), "ring": got[0].item(),
+            "kind": dist.group.WORLD._get_backend(CPU).transport_kind()}
+
+
+def _leave_on_purpose(ctx, flags):
+    store = ctx.new_store(f"shrinkhealthy{flags}")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    dist.all_reduce(torch.ones(4))
+    if ctx.rank == 1:  # leaves: the others shrink it out
+        store.wait(["shrunk0", "shrunk2"], timedelta(seconds=60))
+        dist.destroy_process_group()
+        return None
+    dist.shrink_group([1], shrink_flags=flags)
+    out = _check_new_group(ctx, survivors=[0, 2])
+    store.set(f"shrunk{ctx.rank}", "1")
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("flags", SHRINK_FLAGS,
+                         ids=["default", "abort"])
+def test_shrink_a_healthy_group(bare_worlds, flags):
+    results = bare_worlds(3).run(_leave_on_purpose, flags, timeout=120)
+    assert results[1] is None
+    for old, new_rank in ((0, 0), (2, 1)):
+        res = results[old]
+        assert res["rank"] == new_rank and res["size"] == 2, results
+        assert res["sum_ok"] and res["bcast"] == 0.0, results
+        assert res["ring"] == float(1 - new_rank), results
+        assert res["kind"] == "shm", results
+
+
+def _killed_mid_op(ctx, victim):
+    """`victim` dies by SIGKILL while the others are in an all-reduce that
+    waits for it; they catch the error, shrink it out and go on."""
+    store = ctx.new_store("shrinkkill")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    dist.all_reduce(torch.ones(4))
+    if ctx.rank == victim:
+        store.wait([f"inop{r}" for r in range(ctx.world_size) if r != victim],
+                   timedelta(seconds=60))
+        time.sleep(0.2)  # the others are inside the all-reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.set(f"inop{ctx.rank}", "1")
+    t = torch.ones(1 << 16)
+    try:
+        dist.all_reduce(t)
+        failed = None
+    except Exception as err:  # noqa: BLE001 - the lost rank is expected
+        failed = str(err)
+    started = time.monotonic()
+    dist.shrink_group([victim])
+    out = _check_new_group(ctx, [r for r in range(ctx.world_size) if r != victim])
+    out["shrink_s"] = time.monotonic() - started
+    out["failed"] = failed
+    dist.destroy_process_group()
+    out["shm_left"] = [p for p in glob.glob(SHM_GLOB) if str(os.getpid()) in p]
+    return out
+
+
+def test_shrink_after_a_rank_is_killed_mid_op(tmp_path, backend):
+    with World(4, tmp_path, backend=backend, pg_timeout_s=30, init=False) as world:
+        outcomes = world.run(_killed_mid_op, 2, timeout=120, raise_on_error=False)
+    assert not outcomes[2].ok and outcomes[2].exitcode == -signal.SIGKILL, outcomes[2]
+    survivors = [o for o in outcomes if o.rank != 2]
+    for o in survivors:
+        assert o.ok, f"rank {o.rank}: {o.text or o.exitcode}"
+        res = o.value
+        assert res["failed"] is not None and "rank 2" in res["failed"], res
+        assert res["size"] == 3 and res["rank"] == [0, 1, None, 2][o.rank], res
+        assert res["sum_ok"] and res["bcast"] == 0.0, res
+        assert res["ring"] == float((res["rank"] - 1) % 3), res
+        assert res["shrink_s"] < 10, res
+        assert res["shm_left"] == [], res
+
+
+def _excluded_rank_calls(ctx):
+    dist.init_process_group(ctx.backend, store=ctx.new_store("shrinkself"), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    backend = dist.group.WORLD._get_backend(CPU)
+    try:
+        backend.shrink([ctx.rank], 0, None)
+        msg = None
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        msg = str(err)
+    dist.destroy_process_group()
+    return msg
+
+
+def test_an_excluded_rank_that_calls_shrink_is_refused(bare_worlds):
+    for rank, msg in enumerate(bare_worlds(2).run(_excluded_rank_calls, timeout=60)):
+        assert msg is not None and f"rank {rank}/2] shrink_group" in msg, msg
+        assert "this rank is excluded" in msg, msg
+
+
+def _one_survivor_stays_out(ctx):
+    """Rank 2 leaves; rank 0 shrinks, rank 1 never calls shrink_group: rank 0
+    raises within the group timeout, naming rank 1, instead of waiting on."""
+    store = ctx.new_store("shrinkmissing")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=3))
+    dist.all_reduce(torch.ones(4))
+    if ctx.rank != 0:
+        store.wait(["tried0"], timedelta(seconds=60))
+        dist.destroy_process_group()
+        return None
+    started = time.monotonic()
+    try:
+        dist.shrink_group([2])
+        msg = None
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        msg = str(err)
+    elapsed = time.monotonic() - started
+    store.set("tried0", "1")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {"msg": msg, "elapsed_s": elapsed}
+
+
+def test_a_survivor_that_does_not_shrink_is_named(bare_worlds):
+    res = bare_worlds(3).run(_one_survivor_stays_out, timeout=60)[0]
+    assert res["msg"] is not None and "rank(s) 1" in res["msg"], res
+    assert res["elapsed_s"] < 3 + 2, res
