@@ -2,8 +2,11 @@
 their own, renumbered as torch documents, after a rank leaves on purpose or is
 SIGKILLed mid-op; nothing of the old group's failed op reaches the new one."""
 import glob
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -52,6 +55,9 @@ def _check_new_group(ctx, survivors):
     got = torch.zeros(3)
     dist.recv(got, (new_rank - 1) % size)
     sent.wait()
+    # torch's DDP on the shrunk group (its logger once took the group for gloo's)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    model(torch.ones(3, 4)).sum().backward()
     return {"rank": new_rank, "size": size, "sum_ok": bool(torch.all(t == expected)),
             "bcast": b[0].item(), "ring": got[0].item(),
             "kind": dist.group.WORLD._get_backend(CPU).transport_kind()}
@@ -178,3 +184,24 @@ def test_a_survivor_that_does_not_shrink_is_named(bare_worlds):
     res = bare_worlds(3).run(_one_survivor_stays_out, timeout=60)[0]
     assert res["msg"] is not None and "rank(s) 1" in res["msg"], res
     assert res["elapsed_s"] < 3 + 2, res
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("ddp", ["ours", "torch"])
+def test_training_goes_on_after_a_rank_is_killed(tmp_path, ddp):
+    """scripts/shrink_training.py: 3 ranks, one SIGKILLed mid-step; the two others
+    shrink, finish every step, and end with equal parameters."""
+    out = tmp_path / "shrink.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "shrink_training.py"), "--nproc", "3",
+         "--ddp", ddp, "--steps", "16", "--kill-step", "7", "--victim", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    res = json.loads(out.read_text())
+    assert res["victim_exitcode"] == -signal.SIGKILL and res["params_equal"], res
+    assert len(res["losses"]) == 16 and res["losses"][-1] < res["losses"][0], res
+    assert "rank 1" in res["error"], res
+    assert 0 <= res["kill_to_failed_s"] <= res["kill_to_first_step_s"] < 30, res

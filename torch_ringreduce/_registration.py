@@ -34,4 +34,32 @@ def register() -> bool:
         dist.Backend.register_backend(
             BACKEND_NAME, _create_backend, extended_api=False, devices=DEVICES
         )
+    _register_shrunk_groups_as_plugins()
     return True
+
+
+def _register_shrunk_groups_as_plugins():
+    """dist.shrink_group registers the new group's backend as gloo's (CPU) or
+    NCCL's (CUDA) type, for one device. torch's DDP logger then takes a
+    ringreduce backend for a ProcessGroupGloo and crashes (SIGSEGV), and CUDA
+    tensors find no backend. So a shrunk ringreduce group is registered as
+    init_process_group registers it: a plugin backend, for every device it
+    serves. Idempotent; nothing where torch has no shrink_group."""
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    create = getattr(c10d, "_create_shrunk_process_group", None)
+    if create is None or getattr(create, "_ringreduce", False):
+        return
+
+    def create_shrunk_process_group(new_backend, *args, **kwargs):
+        pg = create(new_backend, *args, **kwargs)
+        if new_backend.name() == BACKEND_NAME:
+            custom = c10d.ProcessGroup.BackendType.CUSTOM
+            for device in DEVICES:
+                pg._register_backend(torch.device(device), custom, new_backend)
+            pg._set_default_backend(custom)
+        return pg
+
+    create_shrunk_process_group._ringreduce = True
+    c10d._create_shrunk_process_group = create_shrunk_process_group
