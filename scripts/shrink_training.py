@@ -3,6 +3,7 @@ SIGKILLed at a random step, the others shrink the group and go on.
 
     python scripts/shrink_training.py --nproc 4 --ddp ours
     python scripts/shrink_training.py --nproc 4 --ddp torch --kill-step 25 --victim 2 --json r.json
+    python scripts/shrink_training.py --nproc 4 --ddp torch --baseline torchrun-gloo
 
 The script starts its ranks itself, meeting through a FileStore: torchrun's agent
 stops every worker once one dies, so survivors cannot live on under it. Every rank
@@ -21,6 +22,13 @@ retry the step with their in-memory model and optimizer. Printed and written
 (--json): the loss per step, the time from the kill to the failure, to the
 shrunk group, and to the first completed step on it, and whether every
 survivor ends with the same parameters.
+
+--baseline torchrun-gloo runs the same job the usual way instead, for comparison:
+under torchrun (--max-restarts 1) on gloo with torch's DDP, rank 0 saving a
+checkpoint (model, optimizer, step) after every step. The victim dies at the
+same step; torchrun's agent stops every worker and starts them all again, and
+they resume from the checkpoint. It prints the time from the kill to the first
+step completed after the restart.
 """
 import argparse
 import datetime
@@ -29,6 +37,7 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30, help="group timeout, seconds")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--baseline", choices=["torchrun-gloo"], default=None,
+                   help="run the job under torchrun with restart from a checkpoint instead")
+    p.add_argument("--state-dir", default=None, help=argparse.SUPPRESS)  # baseline workers
     args = p.parse_args(argv)
     if args.nproc < 2:
         p.error("--nproc must be at least 2: one rank is killed")
@@ -162,6 +174,82 @@ def worker(rank, args, store_path, out_path):
         json.dump(result, f)
 
 
+def torchrun_worker(args):
+    """One worker of the baseline: gloo, torch's DDP, a checkpoint per step."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # The agent's store, under a prefix of this attempt's own: gloo's addresses
+    # from the first attempt stay in the store, and a restarted worker that
+    # read one of them would connect to a process that is gone.
+    timeout = datetime.timedelta(seconds=args.timeout)
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}/", agent),
+                            rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    torch.manual_seed(args.seed)
+    module = torch.nn.Sequential(torch.nn.Linear(args.features, args.hidden), torch.nn.ReLU(),
+                                 torch.nn.Linear(args.hidden, args.classes))
+    opt = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
+    ckpt, step = os.path.join(args.state_dir, "ckpt.pt"), 0
+    if os.path.exists(ckpt):
+        state = torch.load(ckpt)
+        module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+    model = torch.nn.parallel.DistributedDataParallel(module)
+    x, y = data(args)
+    while step < args.steps:
+        victim_now = attempt == 0 and step == args.kill_step and rank == args.victim
+        if victim_now:
+            with open(os.path.join(args.state_dir, "killed_at"), "w") as f:
+                f.write(repr(time.time()))
+        step_once(model, opt, x, y, step, args, victim_now)
+        step += 1
+        if rank == 0:
+            torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "step": step},
+                       ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
+            first = os.path.join(args.state_dir, "first_step")
+            if attempt > 0 and not os.path.exists(first):
+                with open(first, "w") as f:
+                    f.write(repr(time.time()))
+    dist.destroy_process_group()
+    return 0
+
+
+def run_baseline(args):
+    with tempfile.TemporaryDirectory(prefix="shrink_baseline_") as tmp:
+        # The workers read this run's arguments from the state folder (torchrun's
+        # own parser would take --nproc after the script for its --nproc-per-node).
+        with open(os.path.join(tmp, "args.json"), "w") as f:
+            json.dump(vars(args), f)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(args.nproc), "--max-restarts", "1",
+                os.path.abspath(__file__), "--state-dir", tmp]
+        started = time.time()
+        code = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1")).returncode
+        total = time.time() - started
+
+        def read(name):
+            with open(os.path.join(tmp, name)) as f:
+                return float(f.read())
+
+        if code != 0 or not os.path.exists(os.path.join(tmp, "first_step")):
+            print(f"torchrun exited with {code}", file=sys.stderr)
+            return 1
+        summary = {"baseline": "torchrun-gloo", "nproc": args.nproc, "victim": args.victim,
+                   "kill_step": args.kill_step, "steps": args.steps, "total_s": total,
+                   "kill_to_first_step_s": read("first_step") - read("killed_at")}
+    print(f"{args.nproc} ranks, torchrun + gloo + checkpoint per step: rank {args.victim} "
+          f"killed in step {args.kill_step}; every worker restarted and the first step after "
+          f"the restart completed {summary['kill_to_first_step_s']:.2f} s after the kill")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
 def _entry(rank, args, store_path, out_path):
     try:
         worker(rank, args, store_path, out_path)
@@ -173,6 +261,12 @@ def _entry(rank, args, store_path, out_path):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.state_dir is not None:  # a worker of the baseline, under torchrun
+        with open(os.path.join(args.state_dir, "args.json")) as f:
+            args = argparse.Namespace(**dict(json.load(f), state_dir=args.state_dir))
+        return torchrun_worker(args)
+    if args.baseline is not None:
+        return run_baseline(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="shrink_training_") as tmp:

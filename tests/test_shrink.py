@@ -205,3 +205,18 @@ def test_training_goes_on_after_a_rank_is_killed(tmp_path, ddp):
     assert len(res["losses"]) == 16 and res["losses"][-1] < res["losses"][0], res
     assert "rank 1" in res["error"], res
     assert 0 <= res["kill_to_failed_s"] <= res["kill_to_first_step_s"] < 30, res
+
+
+def test_the_torchrun_restart_baseline_resumes_from_its_checkpoint(tmp_path):
+    """--baseline torchrun-gloo: torchrun restarts every worker once the victim
+    dies, and they finish the job from the checkpoint."""
+    out = tmp_path / "baseline.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "shrink_training.py"), "--nproc", "2",
+         "--steps", "8", "--kill-step", "4", "--victim", "1", "--baseline", "torchrun-gloo",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    res = json.loads(out.read_text())
+    assert res["baseline"] == "torchrun-gloo" and res["kill_to_first_step_s"] > 0, res
