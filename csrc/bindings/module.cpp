@@ -198,7 +198,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_test_connect",
       [](const std::string& address, int64_t ms) {
-        sockaddr_in to{};
+        ringreduce::tcp::SockAddr to;
         TORCH_CHECK_VALUE(ringreduce::tcp::parseAddress(address, &to), "bad address ", address);
         const int fd = ringreduce::tcp::connectTo(
             to, std::chrono::steady_clock::now() + std::chrono::milliseconds(ms));

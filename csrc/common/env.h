@@ -19,10 +19,10 @@ struct EnvVar {
 };
 
 inline constexpr EnvVar kEnvIfname{"RINGREDUCE_SOCKET_IFNAME", "route to `MASTER_ADDR`",
-                                   "network interface whose IPv4 address peers connect to",
+                                   "network interface whose address peers connect to (its IPv4 one, else its global IPv6 one)",
                                    false};
 inline constexpr EnvVar kEnvAddr{"RINGREDUCE_SOCKET_ADDR", "",
-                                 "explicit IPv4 address to listen on and advertise", false};
+                                 "explicit IPv4 or IPv6 address to listen on and advertise", false};
 // --8<-- [start:segment]
 inline constexpr EnvVar kEnvSegmentBytes{
     "RINGREDUCE_SEGMENT_BYTES", "262144",

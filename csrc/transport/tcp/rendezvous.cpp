@@ -38,7 +38,7 @@ struct Hello {
 // An accepted connection whose hello is still arriving.
 struct PendingHello {
   int fd = -1;
-  sockaddr_in from{};
+  SockAddr from{};
   Hello hello{};
   size_t got = 0;
   Clock::time_point deadline;
@@ -184,7 +184,7 @@ void TcpMesh::connectToLower(int peer, Clock::time_point deadline) {
       "rank " + std::to_string(peer) +
           " did not publish its address within the group timeout (did it call "
           "init_process_group / new_group, or did it die?)");
-  sockaddr_in to{};
+  SockAddr to;
   TORCH_CHECK(parseAddress(addr, &to), prefix, " rank ", peer, " published a bad address '",
               addr, "'");
   peerAddr_[peer] = addr;
@@ -246,8 +246,8 @@ void TcpMesh::acceptLoop() {
                   pending.end());
     if (pfds[0].revents & POLLIN) {
       PendingHello p;
-      socklen_t len = sizeof(p.from);
-      p.fd = accept4(listenFd_, reinterpret_cast<sockaddr*>(&p.from), &len,
+      p.from.len = sizeof(p.from.storage);
+      p.fd = accept4(listenFd_, p.from.ptr(), &p.from.len,
                      SOCK_CLOEXEC | SOCK_NONBLOCK);
       p.deadline = Clock::now() + kHandshakeTimeout;
       if (p.fd >= 0) {

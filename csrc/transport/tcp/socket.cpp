@@ -27,61 +27,91 @@ std::string errnoText() {
   return std::strerror(errno);
 }
 
-bool resolveIPv4(const std::string& host, in_addr* out) {
+// The first address getaddrinfo gives for `host` (numeric or a name), in
+// either family, with `port`.
+bool resolve(const std::string& host, uint16_t port, SockAddr* out) {
   addrinfo hints{};
-  hints.ai_family = AF_INET;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
+  if (host.empty() || getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
     return false;
   }
-  *out = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+  *out = SockAddr{};
+  std::memcpy(&out->storage, res->ai_addr, res->ai_addrlen);
+  out->len = res->ai_addrlen;
   freeaddrinfo(res);
+  if (out->family() == AF_INET) {
+    reinterpret_cast<sockaddr_in*>(&out->storage)->sin_port = htons(port);
+  } else if (out->family() == AF_INET6) {
+    reinterpret_cast<sockaddr_in6*>(&out->storage)->sin6_port = htons(port);
+  } else {
+    return false;
+  }
   return true;
 }
 
+// The numeric host of an address, without brackets or port.
+std::string hostText(const SockAddr& addr) {
+  char buf[INET6_ADDRSTRLEN] = "?";
+  if (addr.family() == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&addr.storage)->sin6_addr, buf,
+              sizeof(buf));
+  } else {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&addr.storage)->sin_addr, buf,
+              sizeof(buf));
+  }
+  return buf;
+}
+
+bool linkLocal(const sockaddr* sa) {
+  return sa->sa_family == AF_INET6 &&
+         IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
+}
+
+// The interface's IPv4 address, else its IPv6 one that is not link-local (a
+// link-local one needs a scope the peers do not know).
 std::string interfaceAddress(const std::string& ifname) {
   ifaddrs* list = nullptr;
   TORCH_CHECK(getifaddrs(&list) == 0, "[ringreduce] getifaddrs failed: ", errnoText());
-  std::string found;
+  std::string v4, v6;
   for (ifaddrs* it = list; it != nullptr; it = it->ifa_next) {
-    if (it->ifa_addr != nullptr && it->ifa_addr->sa_family == AF_INET &&
-        ifname == it->ifa_name) {
-      char buf[INET_ADDRSTRLEN];
-      auto* sin = reinterpret_cast<sockaddr_in*>(it->ifa_addr);
-      found = inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf));
-      break;
+    if (it->ifa_addr == nullptr || ifname != it->ifa_name) continue;
+    SockAddr a;
+    if (it->ifa_addr->sa_family == AF_INET && v4.empty()) {
+      std::memcpy(&a.storage, it->ifa_addr, sizeof(sockaddr_in));
+      v4 = hostText(a);
+    } else if (it->ifa_addr->sa_family == AF_INET6 && v6.empty() && !linkLocal(it->ifa_addr)) {
+      std::memcpy(&a.storage, it->ifa_addr, sizeof(sockaddr_in6));
+      v6 = hostText(a);
     }
   }
   freeifaddrs(list);
-  TORCH_CHECK_VALUE(!found.empty(), "[ringreduce] ", kEnvIfname.name, "=", ifname,
-                    ": no IPv4 address on that interface");
-  return found;
+  TORCH_CHECK_VALUE(!v4.empty() || !v6.empty(), "[ringreduce] ", kEnvIfname.name, "=", ifname,
+                    ": no IPv4 or (global) IPv6 address on that interface");
+  return v4.empty() ? v6 : v4;
 }
 
-// The local address the kernel would use to reach `host` (no packet is sent).
+// The local address the kernel would use to reach `host` (no packet is sent),
+// in the family `host` resolves to.
 std::string routeTo(const std::string& host) {
-  in_addr remote{};
-  if (!resolveIPv4(host, &remote)) {
+  SockAddr remote;
+  if (!resolve(host, 9, &remote)) {
     return "";
   }
-  if ((ntohl(remote.s_addr) >> 24) == 127) {
+  if (remote.family() == AF_INET &&
+      (ntohl(reinterpret_cast<sockaddr_in*>(&remote.storage)->sin_addr.s_addr) >> 24) == 127) {
     return "127.0.0.1";
   }
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  int fd = socket(remote.family(), SOCK_DGRAM, 0);
   if (fd < 0) {
     return "";
   }
-  sockaddr_in to{};
-  to.sin_family = AF_INET;
-  to.sin_port = htons(9);
-  to.sin_addr = remote;
   std::string local;
-  sockaddr_in me{};
-  socklen_t len = sizeof(me);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0) {
-    char buf[INET_ADDRSTRLEN];
-    local = inet_ntop(AF_INET, &me.sin_addr, buf, sizeof(buf));
+  SockAddr me;
+  if (connect(fd, remote.ptr(), remote.len) == 0 && getsockname(fd, me.ptr(), &me.len) == 0 &&
+      !linkLocal(me.ptr())) {
+    local = hostText(me);
   }
   ::close(fd);
   return local;
@@ -108,13 +138,16 @@ std::string chooseLocalAddress(const std::string& storeHost) {
   return "127.0.0.1";
 }
 
-std::string formatAddress(const sockaddr_in& addr) {
-  char buf[INET_ADDRSTRLEN] = "?";
-  inet_ntop(AF_INET, &addr.sin_addr, buf, sizeof(buf));
-  return std::string(buf) + ":" + std::to_string(ntohs(addr.sin_port));
+std::string formatAddress(const SockAddr& addr) {
+  const uint16_t port =
+      addr.family() == AF_INET6
+          ? ntohs(reinterpret_cast<const sockaddr_in6*>(&addr.storage)->sin6_port)
+          : ntohs(reinterpret_cast<const sockaddr_in*>(&addr.storage)->sin_port);
+  const std::string host = hostText(addr);
+  return (addr.family() == AF_INET6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
-bool parseAddress(const std::string& text, sockaddr_in* out) {
+bool parseAddress(const std::string& text, SockAddr* out) {
   auto colon = text.rfind(':');
   if (colon == std::string::npos) {
     return false;
@@ -124,26 +157,30 @@ bool parseAddress(const std::string& text, sockaddr_in* out) {
   if (*end != '\0' || port <= 0 || port > 65535) {
     return false;
   }
-  *out = sockaddr_in{};
-  out->sin_family = AF_INET;
-  out->sin_port = htons(static_cast<uint16_t>(port));
-  return resolveIPv4(text.substr(0, colon), &out->sin_addr);
+  std::string host = text.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return resolve(host, static_cast<uint16_t>(port), out);
 }
 
-int listenOn(const std::string& addr, sockaddr_in* bound) {
-  sockaddr_in want{};
-  TORCH_CHECK_VALUE(parseAddress(addr + ":1", &want), "[ringreduce] cannot resolve local address '",
+int listenOn(const std::string& addr, SockAddr* bound) {
+  std::string host = addr;
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  SockAddr want;
+  TORCH_CHECK_VALUE(resolve(host, 0, &want), "[ringreduce] cannot resolve local address '",
                     addr, "' (set ", kEnvAddr.name, " or ", kEnvIfname.name, ")");
-  want.sin_port = 0;
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int fd = socket(want.family(), SOCK_STREAM | SOCK_CLOEXEC, 0);
   TORCH_CHECK(fd >= 0, "[ringreduce] socket() failed: ", errnoText());
-  if (bind(fd, reinterpret_cast<sockaddr*>(&want), sizeof(want)) != 0 || listen(fd, 128) != 0) {
+  if (bind(fd, want.ptr(), want.len) != 0 || listen(fd, 128) != 0) {
     std::string err = errnoText();
     ::close(fd);
     TORCH_CHECK(false, "[ringreduce] cannot listen on ", addr, ": ", err);
   }
-  socklen_t len = sizeof(*bound);
-  getsockname(fd, reinterpret_cast<sockaddr*>(bound), &len);
+  *bound = SockAddr{};
+  getsockname(fd, bound->ptr(), &bound->len);
   return fd;
 }
 
@@ -156,11 +193,11 @@ namespace {
 // the deadline came first).
 constexpr int kNoAnswer = -1;
 
-int connectOnce(const sockaddr_in& to, Clock::time_point deadline, int* err) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+int connectOnce(const SockAddr& to, Clock::time_point deadline, int* err) {
+  int fd = socket(to.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   TORCH_CHECK(fd >= 0, "[ringreduce] socket() failed: ", errnoText());
   *err = 0;
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0) {
+  if (connect(fd, to.ptr(), to.len) != 0) {
     *err = errno;
     while (*err == EINPROGRESS || *err == EINTR) {
       pollfd pfd{fd, POLLOUT, 0};
@@ -188,7 +225,7 @@ int connectOnce(const sockaddr_in& to, Clock::time_point deadline, int* err) {
 
 }  // namespace
 
-int connectTo(const sockaddr_in& to, Clock::time_point deadline) {
+int connectTo(const SockAddr& to, Clock::time_point deadline) {
   auto backoff = std::chrono::milliseconds(10);
   while (true) {
     int err = 0;

@@ -153,7 +153,7 @@ class TcpMesh : public Mesh {
   std::string secret_;  // hex, 64 chars
   int listenFd_ = -1;
   int wakePipe_[2] = {-1, -1};  // written by close() to stop the accept thread
-  sockaddr_in bound_{};
+  SockAddr bound_{};
 
   // Locking: mu_ guards fds_ and peerAddr_ while they change: set up by
   // connect() and the accept thread (connected_ waits on mu_), shut down by
