@@ -220,3 +220,69 @@ def test_the_torchrun_restart_baseline_resumes_from_its_checkpoint(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     res = json.loads(out.read_text())
     assert res["baseline"] == "torchrun-gloo" and res["kill_to_first_step_s"] > 0, res
+
+
+def _shrink_a_subgroup(ctx):
+    """A subgroup of ranks 0-2 out of 4 loses rank 1 (on purpose); ranks 0 and 2
+    shrink it, and the default group of all four still works."""
+    dist.init_process_group(ctx.backend, store=ctx.new_store("shrinksub"), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    sub = dist.new_group([0, 1, 2], backend="ringreduce")
+    out = {}
+    if ctx.rank in (0, 2):
+        shrunk = dist.shrink_group([1], group=sub)
+        t = torch.full((9,), float(ctx.rank + 1))
+        dist.all_reduce(t, group=shrunk)
+        out = {"sum": t[0].item(), "size": dist.get_world_size(shrunk),
+               "rank": dist.get_rank(shrunk)}
+    everyone = torch.ones(3)
+    dist.all_reduce(everyone)
+    out["default_sum"] = everyone[0].item()
+    dist.destroy_process_group()
+    return out
+
+
+def test_shrink_a_subgroup(bare_worlds):
+    results = bare_worlds(4).run(_shrink_a_subgroup, timeout=120)
+    assert results[0] == {"sum": 4.0, "size": 2, "rank": 0, "default_sum": 4.0}, results
+    assert results[2] == {"sum": 4.0, "size": 2, "rank": 1, "default_sum": 4.0}, results
+    assert results[1] == results[3] == {"default_sum": 4.0}, results
+
+
+def _stopped_mid_op(ctx):
+    """Rank 2 stops (SIGSTOP) with the others inside an all-reduce: they time
+    out, shrink it out with SHRINK_ABORT and go on; rank 0 then kills rank 2."""
+    store = ctx.new_store("shrinkstop")
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=3))
+    dist.all_reduce(torch.ones(4))
+    if ctx.rank == 2:
+        store.set("pid2", str(os.getpid()))
+        store.wait(["inop0", "inop1"], timedelta(seconds=60))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return None
+    store.set(f"inop{ctx.rank}", "1")
+    try:
+        dist.all_reduce(torch.ones(1 << 10))
+        failed = None
+    except Exception as err:  # noqa: BLE001 - the stopped rank is expected
+        failed = str(err)
+    started = time.monotonic()
+    dist.shrink_group([2], shrink_flags=SHRINK_FLAGS[1])
+    out = _check_new_group(ctx, [0, 1])
+    out["failed"], out["shrink_s"] = failed, time.monotonic() - started
+    dist.destroy_process_group()
+    if ctx.rank == 0:
+        os.kill(int(store.get("pid2").decode()), signal.SIGKILL)
+    return out
+
+
+def test_shrink_after_a_rank_is_stopped_mid_op(tmp_path, backend):
+    with World(3, tmp_path, backend=backend, pg_timeout_s=30, init=False) as world:
+        outcomes = world.run(_stopped_mid_op, timeout=60, raise_on_error=False)
+    for o in outcomes[:2]:
+        assert o.ok, f"rank {o.rank}: {o.text or o.exitcode}"
+        res = o.value
+        assert res["failed"] is not None and "rank 2" in res["failed"], res
+        assert res["size"] == 2 and res["rank"] == o.rank and res["sum_ok"], res
+        assert res["shrink_s"] < 10, res
