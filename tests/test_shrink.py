@@ -286,3 +286,29 @@ def test_shrink_after_a_rank_is_stopped_mid_op(tmp_path, backend):
         assert res["failed"] is not None and "rank 2" in res["failed"], res
         assert res["size"] == 2 and res["rank"] == o.rank and res["sum_ok"], res
         assert res["shrink_s"] < 10, res
+
+
+@pytest.mark.skipif(os.environ.get("RR_SOAK") != "1", reason="soak test: set RR_SOAK=1 to run it")
+def test_soak_training_goes_on_after_random_kills(tmp_path):
+    """Off by default (RR_SOAK=1; RR_SOAK_ROUNDS, RR_SOAK_SEED as in test_soak.py):
+    rounds of scripts/shrink_training.py at 2-8 ranks, either DDP, a random victim
+    and step; every round ends with equal parameters on every survivor, and the
+    shrunk group's first step within 2 s of the failure."""
+    import random
+
+    seed = int(os.environ.get("RR_SOAK_SEED", str(random.SystemRandom().randrange(10**6))))
+    rounds = int(os.environ.get("RR_SOAK_ROUNDS", "10"))
+    print(f"shrink soak: seed {seed}, {rounds} rounds")
+    pick = random.Random(seed)
+    for round_ in range(rounds):
+        nproc, ddp = pick.randint(2, 8), pick.choice(["ours", "torch"])
+        out = tmp_path / f"round{round_}.json"
+        argv = [sys.executable, os.path.join(ROOT, "scripts", "shrink_training.py"),
+                "--nproc", str(nproc), "--ddp", ddp, "--steps", "20",
+                "--seed", str(pick.randrange(10**6)), "--json", str(out)]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, f"round {round_}: {argv}\n{proc.stderr[-4000:]}"
+        res = json.loads(out.read_text())
+        assert res["params_equal"] and len(res["losses"]) == 20, (round_, res)
+        assert res["kill_to_first_step_s"] - res["kill_to_failed_s"] < 2, (round_, res)
