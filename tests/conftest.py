@@ -79,6 +79,22 @@ def worlds(backend, tmp_path_factory):
     pool.close()
 
 
+@pytest.fixture(scope="module")
+def bare_worlds(backend, tmp_path_factory):
+    """Worlds whose ranks join no group, by size; a broken one is rebuilt."""
+    made = {}
+
+    def get(world_size):
+        if world_size not in made or made[world_size].broken:
+            made[world_size] = World(world_size, tmp_path_factory.mktemp("bare"),
+                                     backend=backend, init=False, pg_timeout_s=30)
+        return made[world_size]
+
+    yield get
+    for world in made.values():
+        world.close(timeout=10.0)
+
+
 @pytest.fixture
 def fresh_world(backend, tmp_path):
     """Factory of throwaway worlds (for tests that break or kill ranks)."""

@@ -505,22 +505,6 @@ def _group_cycles(ctx, cycles, same_store):
     return seen
 
 
-@pytest.fixture(scope="module")
-def bare_worlds(backend, tmp_path_factory):
-    """Worlds whose ranks join no group, by size; a broken one is rebuilt."""
-    made = {}
-
-    def get(world_size):
-        if world_size not in made or made[world_size].broken:
-            made[world_size] = World(world_size, tmp_path_factory.mktemp("bare"),
-                                     backend=backend, init=False, pg_timeout_s=30)
-        return made[world_size]
-
-    yield get
-    for world in made.values():
-        world.close(timeout=10.0)
-
-
 @pytest.mark.parametrize("world_size,same_store", [(1, True), (2, False), (2, True)])
 def test_no_fd_or_thread_leaks_over_group_lifetimes(bare_worlds, world_size, same_store):
     world = bare_worlds(world_size)

@@ -23,22 +23,6 @@ pytestmark = [
 ]
 SHRINK_FLAGS = [getattr(c10d, "SHRINK_DEFAULT", 0), getattr(c10d, "SHRINK_ABORT", 1)]
 SHM_GLOB = "/dev/shm/ringreduce-*"
-
-
-@pytest.fixture(scope="module")
-def bare_worlds(backend, tmp_path_factory):
-    """Worlds whose ranks join no group (each case makes its own), by size."""
-    made = {}
-
-    def get(world_size):
-        if world_size not in made or made[world_size].broken:
-            made[world_size] = World(world_size, tmp_path_factory.mktemp("bare"),
-                                     backend=backend, init=False, pg_timeout_s=30)
-        return made[world_size]
-
-    yield get
-    for world in made.values():
-        world.close(timeout=10.0)
 CPU = torch.device("cpu")
 
 
