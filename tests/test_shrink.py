@@ -296,3 +296,30 @@ def test_soak_training_goes_on_after_random_kills(tmp_path):
         res = json.loads(out.read_text())
         assert res["params_equal"] and len(res["losses"]) == 20, (round_, res)
         assert res["kill_to_first_step_s"] - res["kill_to_failed_s"] < 2, (round_, res)
+
+
+def _shrink_then_cuda(ctx):
+    dist.init_process_group(ctx.backend, store=ctx.new_store("shrinkcuda"), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=ctx.pg_timeout)
+    if ctx.rank == 1:
+        dist.barrier()
+        dist.destroy_process_group()
+        return None
+    dist.barrier()
+    dist.shrink_group([1])
+    t = torch.full((1000,), float(ctx.rank + 1), device="cuda:0")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    out = {"sum": t[0].item(), "kind": dist.group.WORLD._get_backend(
+        torch.device("cuda")).transport_kind("cuda")}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.cuda
+def test_a_shrunk_group_takes_cuda_tensors(bare_worlds):
+    """The shrunk group serves CUDA tensors too (torch registered it for one device)."""
+    results = bare_worlds(3).run(_shrink_then_cuda, timeout=120)
+    for rank in (0, 2):
+        assert results[rank]["sum"] == 4.0, results
+        assert results[rank]["kind"] != "none", results
