@@ -27,14 +27,22 @@ std::string errnoText() {
   return std::strerror(errno);
 }
 
-// The first address getaddrinfo gives for `host` (numeric or a name), in
-// either family, with `port`.
+// The address of `host` (numeric or a name) with `port`: its IPv4 one when it
+// has one (a name of a dual-stack host resolves as it always did), else its
+// IPv6 one.
 bool resolve(const std::string& host, uint16_t port, SockAddr* out) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  if (host.empty() || getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
+  for (int family : {AF_INET, AF_INET6}) {
+    addrinfo hints{};
+    hints.ai_family = family;
+    hints.ai_socktype = SOCK_STREAM;
+    if (!host.empty() && getaddrinfo(host.c_str(), nullptr, &hints, &res) == 0 &&
+        res != nullptr) {
+      break;
+    }
+    res = nullptr;
+  }
+  if (res == nullptr) {
     return false;
   }
   *out = SockAddr{};
