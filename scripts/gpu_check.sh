@@ -83,7 +83,8 @@ step "$PY" -c "from torch_ringreduce import _C; from torch_ringreduce.sync_batch
 step bash -c 'readelf -d torch_ringreduce/_C*.so | grep -q "NEEDED.*libstdc++" || { echo "torch_ringreduce/_C: libstdc++ is linked statically (compiler $CXX): it crashes at run time; set RINGREDUCE_CXX to the system g++"; exit 1; }' || exit 1
 
 want tests && step "$PY" -m pytest -q -m cuda -rs -p no:cacheprovider \
-  tests/test_cuda_collectives.py tests/test_sync_batchnorm.py tests/test_traffic.py
+  tests/test_cuda_collectives.py tests/test_sync_batchnorm.py tests/test_traffic.py \
+  tests/test_shrink.py
 # The compile checks carry no `cuda` marker (CI runs them without a GPU): all of
 # them, against the device's own toolkit and torch.
 want tests && step "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_build.py
