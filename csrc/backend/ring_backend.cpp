@@ -192,7 +192,6 @@ c10::intrusive_ptr<c10d::Backend> RingBackend::shrink(const std::vector<int64_t>
                                                      const c10::intrusive_ptr<Options>&) {
   const std::string what = rankPrefix(getRank(), getSize()) + " shrink_group";
   std::vector<char> excluded(getSize(), 0);
-  std::string key = "shrink/" + std::to_string(++shrinks_) + "/without";
   for (int64_t r : ranksToExclude) {
     TORCH_CHECK_VALUE(r >= 0 && r < getSize(), what, ": rank ", r, " is not in this group of ",
                       getSize());
@@ -201,6 +200,8 @@ c10::intrusive_ptr<c10d::Backend> RingBackend::shrink(const std::vector<int64_t>
   }
   TORCH_CHECK_VALUE(!excluded[getRank()], what,
                     ": this rank is excluded; only the remaining ranks call shrink_group");
+  // Counted once the arguments hold: a rejected call leaves the key of the next one alike.
+  std::string key = "shrink/" + std::to_string(++shrinks_) + "/without";
   int newRank = 0, newSize = 0;
   for (int r = 0; r < getSize(); ++r) {
     if (excluded[r]) {
