@@ -32,6 +32,7 @@ step completed after the restart.
 """
 import argparse
 import datetime
+import gc
 import json
 import multiprocessing
 import os
@@ -214,6 +215,10 @@ def torchrun_worker(args):
             if attempt > 0 and not os.path.exists(first):
                 with open(first, "w") as f:
                     f.write(repr(time.time()))
+    # DDP holds the gloo group: were it alive at destroy_process_group, the group
+    # would be freed at interpreter exit, where gloo's threads can abort the process.
+    del model
+    gc.collect()
     dist.destroy_process_group()
     return 0
 
