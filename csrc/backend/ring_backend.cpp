@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "algorithms/algorithms.h"
+#include "backend/coalesced_work.h"
 #include "common/env.h"
 #include "common/gil.h"
 #include "common/rescue.h"
@@ -243,6 +244,61 @@ void RingBackend::track(const c10::intrusive_ptr<RingWork>& work) {
     pruneAt_ = std::max<size_t>(64, 2 * tracked_.size());
   }
   tracked_.emplace_back(work);
+  if (coalescing_) coalesced_.push_back(work);
+}
+
+void RingBackend::startCoalescing() {
+  std::lock_guard<std::mutex> lock(trackedMu_);
+  TORCH_CHECK_VALUE(!coalescing_, rankPrefix(getRank(), getSize()),
+                    " startCoalescing: this group is coalescing already (call endCoalescing "
+                    "first; coalescing blocks do not nest)");
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::endCoalescing() {
+  std::vector<c10::intrusive_ptr<RingWork>> works;
+  {
+    std::lock_guard<std::mutex> lock(trackedMu_);
+    TORCH_CHECK_VALUE(coalescing_, rankPrefix(getRank(), getSize()),
+                      " endCoalescing: startCoalescing was not called on this group");
+    coalescing_ = false;
+    works.swap(coalesced_);
+  }
+  return c10::make_intrusive<CoalescedWork>(getRank(), std::move(works));
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> RingBackend::getBackendOptions() {
+  return c10::make_intrusive<RingOptions>(timeout_);
+}
+
+c10::intrusive_ptr<c10d::Backend> RingBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const std::vector<int>& ranks,
+                                                    const c10::intrusive_ptr<Options>& opts) {
+  const std::string what = rankPrefix(getRank(), getSize()) + " split_group";
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  TORCH_CHECK_VALUE(!sorted.empty(), what, ": no ranks given");
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    TORCH_CHECK_VALUE(sorted[i] >= 0 && sorted[i] < getSize(), what, ": rank ", sorted[i],
+                      " is not in this group of ", getSize());
+    TORCH_CHECK_VALUE(i == 0 || sorted[i] != sorted[i - 1], what, ": rank ", sorted[i],
+                      " is listed twice");
+  }
+  auto mine = std::lower_bound(sorted.begin(), sorted.end(), getRank());
+  if (mine == sorted.end() || *mine != getRank()) return nullptr;
+  std::lock_guard<std::mutex> lock(splitMu_);
+  if (lastSplitStore_ == store.get() && lastSplitRanks_ == sorted) {
+    if (auto child = lastSplit_.lock()) return child;
+  }
+  const std::chrono::milliseconds timeout =
+      opts && opts->timeout.count() > 0 ? opts->timeout : timeout_;
+  c10::intrusive_ptr<c10d::Backend> child = RingBackend::create(
+      store, static_cast<int>(mine - sorted.begin()), static_cast<int>(sorted.size()), timeout);
+  lastSplit_ = child;
+  lastSplitStore_ = store.get();
+  lastSplitRanks_ = std::move(sorted);
+  return child;
 }
 
 void RingBackend::waitForPendingWorks() {

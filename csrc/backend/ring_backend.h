@@ -44,6 +44,13 @@ std::atomic<int64_t>& testCompleteDelayMs();
 // host copies of CUDA tensors does.
 std::atomic<int64_t>& testRejectAfterNumbering();
 
+// This backend's options (getBackendOptions): torch's, with a type of its own
+// so Python can copy it (split_group deep-copies the parent's).
+struct RingOptions : c10d::Backend::Options {
+  explicit RingOptions(std::chrono::milliseconds timeout = ::kBackendDefaultTimeout)
+      : Options("ringreduce", timeout) {}
+};
+
 class RingBackend : public c10d::Backend {
  public:
   // Use create() (public only for make_intrusive): it sets up the weak
@@ -146,6 +153,28 @@ class RingBackend : public c10d::Backend {
       const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
       const c10::intrusive_ptr<Options>& optsOverride = nullptr) override;
   static constexpr int kShrinkAbort = 0x01;  // torch.distributed.SHRINK_ABORT
+
+  // dist.split_group / DeviceMesh (torch splits only a group bound to a CUDA
+  // device): a new group of `ranks` (ranks of this group; renumbered in their
+  // order) met through `store`, which torch gives every member alike; nullptr
+  // on a rank not in `ranks` (it touches nothing). torch may call it once per
+  // device type of this group for the one backend: the same store and ranks
+  // give back the same new group.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+  // This group's options (split_group copies them for the new group).
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+
+  // torch's coalescing (_coalescing_manager with a device, batch_isend_irecv):
+  // the ops issued on this group between the two calls run as issued (the
+  // all-reduces, all_gather_single and reduce_scatter_single torch gathers
+  // come as one *_coalesced op each, one op on the wire); endCoalescing
+  // returns one Work for them all.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void registerOnCompletionHook(
       std::function<void(std::shared_ptr<c10d::WorkInfo>)>&& hook) override;
   c10d::ErrorType getError() override;
@@ -289,6 +318,17 @@ class RingBackend : public c10d::Backend {
   std::mutex trackedMu_;
   std::vector<c10::weak_intrusive_ptr<RingWork>> tracked_;  // guarded by trackedMu_
   size_t pruneAt_ = 64;                                      // guarded by trackedMu_
+  // Between startCoalescing and endCoalescing: the Works issued (guarded by trackedMu_).
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<RingWork>> coalesced_;
+  // The last split (split): torch calls it once per device type for one
+  // backend. Weak: the new group is its users' to destroy. Its store is kept
+  // alive by it, so the address is not reused while it lives.
+  std::mutex splitMu_;
+  c10d::Store* lastSplitStore_ = nullptr;                 // guarded by splitMu_; compared only
+  std::vector<int> lastSplitRanks_;                       // guarded by splitMu_
+  c10::weak_intrusive_ptr<c10d::Backend> lastSplit_{
+      c10::intrusive_ptr<c10d::Backend>()};               // guarded by splitMu_
   std::unique_ptr<Transport> transport_;  // per peer: shared memory or TCP (factory.h)
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Store> store_;  // the group's, for shrink()

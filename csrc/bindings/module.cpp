@@ -27,6 +27,16 @@ PYBIND11_MODULE(_C, m) {
   // The base class must be registered with pybind before our subclass.
   py::module_::import("torch.distributed");
 
+  py::class_<ringreduce::RingOptions, c10d::Backend::Options,
+             c10::intrusive_ptr<ringreduce::RingOptions>>(
+      m, "RingOptions", "The ringreduce backend's options (torch's Backend.Options)")
+      .def(py::init<std::chrono::milliseconds>(), py::arg("timeout"))
+      .def("__copy__",
+           [](const ringreduce::RingOptions& o) { return c10::make_intrusive<ringreduce::RingOptions>(o); })
+      .def("__deepcopy__", [](const ringreduce::RingOptions& o, const py::dict&) {
+        return c10::make_intrusive<ringreduce::RingOptions>(o);
+      });
+
   py::class_<ringreduce::RingBackend, c10d::Backend, c10::intrusive_ptr<ringreduce::RingBackend>>(
       m, "RingBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -35,6 +45,18 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly(
+          "options",
+          [](ringreduce::RingBackend& b) {
+            return c10::static_intrusive_pointer_cast<ringreduce::RingOptions>(
+                b.getBackendOptions());
+          },
+          "This group's options: a RingOptions with its timeout (split_group copies them)")
+      .def(
+          "perform_nocolor_split", [](ringreduce::RingBackend&, const py::object&) {},
+          py::arg("device"),
+          "Nothing to do: torch calls it on the ranks left out of a new group when the "
+          "default group is bound to a device (NCCL's communicator split needs them)")
       .def("listen_address", &ringreduce::RingBackend::listenAddress,
            "'ip:port' this rank accepts peer connections on")
       .def("transport_kind", &ringreduce::RingBackend::transportKind, py::arg("device") = "cpu",
