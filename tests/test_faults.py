@@ -439,9 +439,10 @@ SHM_GLOB = "/dev/shm/ringreduce-*"
 SHM_SETUP_TIMEOUT_S = 3
 
 
-def _die_after_create(ctx, tag, timeout_s):
+def _die_after_create(ctx, tag, timeout_s, memfd):
     from torch_ringreduce import _C
 
+    os.environ["RINGREDUCE_SHM_MEMFD"] = str(memfd)  # a process of this test's own
     if ctx.rank == 0:
         _C._shm_test_die_after_create(True)
     started = time.monotonic()
@@ -452,13 +453,16 @@ def _die_after_create(ctx, tag, timeout_s):
     return {"constructed": backend.transport_kind()}
 
 
-def test_rank0_dies_after_creating_the_segment(tmp_path, backend):
+@pytest.mark.parametrize("memfd", [1, 0])
+def test_rank0_dies_after_creating_the_segment(tmp_path, backend, memfd):
+    """Whether the segment was a memfd (nothing named) or named in /dev/shm (the
+    survivors unlink it), the peers fail fast naming rank 0 and nothing is left."""
     from _harness import World
 
     before = set(glob.glob(SHM_GLOB))
     with World(3, tmp_path, backend=backend, pg_timeout_s=30) as world:
         pid0 = world.run(_pid)[0]
-        outcomes = world.run(_die_after_create, _tag(), SHM_SETUP_TIMEOUT_S,
+        outcomes = world.run(_die_after_create, _tag(), SHM_SETUP_TIMEOUT_S, memfd,
                              timeout=RUN_TIMEOUT_S, raise_on_error=False)
     assert not outcomes[0].ok and outcomes[0].exitcode == -signal.SIGKILL, (
         f"rank 0 did not die in the test hook: {outcomes[0]}")

@@ -5,6 +5,7 @@ no segment left in /dev/shm, and RINGREDUCE_SHM=0 keeps a group on TCP.
 Everything else (every collective, every error path) already runs over shared
 memory: it is the default for the single-host worlds of the whole suite.
 """
+import gc
 import os
 
 import pytest
@@ -94,25 +95,44 @@ def test_small_rings_and_tcp_match_gloo(worlds, world_size):
 
 
 def _segments_of(pid):
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"ringreduce-{pid}-"))
+    """rank 0's named segments in /dev/shm (ringreduce-<pid ns>-<pid>-<stamp>)."""
+    return sorted(f for f in os.listdir("/dev/shm")
+                  if f.startswith("ringreduce-") and f"-{pid}-" in f)
 
 
-def _segments_after_groups(ctx):
-    groups = [dist.new_group(backend="ringreduce") for _ in range(3)]
+def _memfd_mappings():
+    """This process's mappings of ringreduce memfd segments (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return sum("/memfd:ringreduce" in line for line in f)
+
+
+def _segments_after_groups(ctx, memfd):
+    before = _memfd_mappings()
+    groups = [_group_with_env(RINGREDUCE_SHM_MEMFD=memfd) for _ in range(3)]
     for g in groups:
         dist.all_reduce(torch.ones(8), group=g)
     pids = [None] * ctx.world_size
     dist.all_gather_object(pids, os.getpid(), group=ctx.oracle)
-    left = _segments_of(pids[0])
+    out = {"kinds": [_kind(g) for g in groups], "named": _segments_of(pids[0]),
+           "memfds": _memfd_mappings() - before}
     for g in groups:
         dist.destroy_process_group(g)
-    return left
+    del g, groups  # the last references: the backends unmap their segments
+    gc.collect()
+    out["memfds_after"] = _memfd_mappings() - before
+    return out
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
-def test_no_segment_left_in_dev_shm(worlds):
-    """Rank 0 unlinks the segment once every rank has mapped it."""
-    assert worlds.run(2, _segments_after_groups) == [[], []]
+@pytest.mark.parametrize("memfd", [1, 0])
+def test_no_segment_left_in_dev_shm(worlds, memfd):
+    """A memfd segment (the default) never has a name in /dev/shm and is gone
+    with the group; a named one (RINGREDUCE_SHM_MEMFD=0) is unlinked once every
+    rank has mapped it."""
+    for rank, out in enumerate(worlds.run(2, _segments_after_groups, memfd)):
+        assert out["kinds"] == ["shm"] * 3 and out["named"] == [], (rank, out)
+        assert out["memfds"] == (3 if memfd else 0), (rank, out)  # the path it took
+        assert out["memfds_after"] == 0, (rank, out)
 
 
 STORE_MODES = {"plain": 0, "streaming": 1}

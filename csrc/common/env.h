@@ -49,6 +49,12 @@ inline constexpr EnvVar kEnvYieldUs{
 inline constexpr EnvVar kEnvShm{
     "RINGREDUCE_SHM", "`1`",
     "`0` keeps collectives on TCP even when every rank is on this host", true};
+inline constexpr EnvVar kEnvShmMemfd{
+    "RINGREDUCE_SHM_MEMFD", "`1`",
+    "`0` names the shared-memory segment in /dev/shm (shm_open) instead of passing an "
+    "anonymous memfd, which needs no room in /dev/shm and leaves no name behind (for hosts "
+    "where a rank may not open another's /proc/<pid>/fd)",
+    true};
 inline constexpr EnvVar kEnvShmRingBytes{
     "RINGREDUCE_SHM_RING_BYTES", "262144",
     "bytes of each shared-memory ring buffer (one per ordered pair of ranks; halved while "
@@ -71,8 +77,9 @@ inline constexpr EnvVar kEnvDebug{"RINGREDUCE_DEBUG", "0",
 
 // Every variable above, in the documented table's order.
 inline constexpr const EnvVar* kEnvVariables[] = {
-    &kEnvIfname,       &kEnvAddr,      &kEnvSegmentBytes, &kEnvSpinUs, &kEnvYieldUs, &kEnvShm,
-    &kEnvShmRingBytes, &kEnvAllreduce, &kEnvCpuAvx2,      &kEnvDebug};
+    &kEnvIfname,   &kEnvAddr,         &kEnvSegmentBytes, &kEnvSpinUs,
+    &kEnvYieldUs,  &kEnvShm,          &kEnvShmMemfd,     &kEnvShmRingBytes,
+    &kEnvAllreduce, &kEnvCpuAvx2,     &kEnvDebug};
 
 std::string envString(const EnvVar& var, const std::string& fallback);
 int64_t envInt(const EnvVar& var, int64_t fallback);

@@ -48,8 +48,36 @@ Layout layoutFor(int size) {
 }
 // --8<-- [end:sizes]
 
-// Maps the segment `name` (creating it when `create`); nullptr on failure.
-void* mapSegment(const std::string& name, size_t bytes, bool create, std::string* why) {
+// A segment is passed one of two ways. By default the host's leader creates an
+// anonymous memfd and publishes "memfd:<pid>:<fd>"; the others open it as
+// /proc/<pid>/fd/<fd> (ranks of one host share a pid namespace: factory.cpp's
+// host identity). It takes no room in /dev/shm (a container's is often 64 MiB)
+// and has no name to leave behind: it is gone with the last mapping. With
+// RINGREDUCE_SHM_MEMFD=0, or where memfd_create fails, the segment is named in
+// /dev/shm ("/ringreduce-...", shm_open) and unlinked once every rank mapped it.
+constexpr const char* kMemfdPrefix = "memfd:";
+
+bool isNamed(const std::string& name) {
+  return !name.empty() && name[0] == '/';
+}
+
+// Sizes a new segment's file and reserves its pages (posix_fallocate: a full
+// /dev/shm or memory fails here instead of SIGBUS on first touch); 0 or errno.
+int reserve(int fd, size_t bytes) {
+  return ::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ? errno
+                                                         : ::posix_fallocate(fd, 0, bytes);
+}
+
+// Maps `bytes` of `fd` and closes it unless `keep`; nullptr on failure (`why`).
+void* mapFd(int fd, size_t bytes, bool keep, std::string* why) {
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) *why = std::string("mmap: ") + std::strerror(errno);
+  if (!keep) ::close(fd);
+  return base == MAP_FAILED ? nullptr : base;
+}
+
+// Maps the named segment `name` (creating it when `create`); nullptr on failure.
+void* mapNamed(const std::string& name, size_t bytes, bool create, std::string* why) {
   int fd = create ? ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
                   : ::shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) {
@@ -57,12 +85,9 @@ void* mapSegment(const std::string& name, size_t bytes, bool create, std::string
     return nullptr;
   }
   if (create) {
-    // posix_fallocate reserves the pages now: a full /dev/shm fails here
-    // instead of SIGBUS on first touch.
-    int err = ::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ? errno
-                                                              : ::posix_fallocate(fd, 0, bytes);
-    if (err != 0) {
-      *why = std::string("reserving ") + std::to_string(bytes) + " bytes: " + std::strerror(err);
+    if (int err = reserve(fd, bytes); err != 0) {
+      *why = std::string("reserving ") + std::to_string(bytes) + " bytes in /dev/shm: " +
+             std::strerror(err);
       ::close(fd);
       ::shm_unlink(name.c_str());
       return nullptr;
@@ -75,14 +100,51 @@ void* mapSegment(const std::string& name, size_t bytes, bool create, std::string
       return nullptr;
     }
   }
-  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
-  if (base == MAP_FAILED) {
-    *why = std::string("mmap: ") + std::strerror(errno);
-    if (create) ::shm_unlink(name.c_str());
+  void* base = mapFd(fd, bytes, false, why);
+  if (base == nullptr && create) ::shm_unlink(name.c_str());
+  return base;
+}
+
+// The leader's memfd segment: its mapping, and in *fd the descriptor peers
+// open through /proc until every rank has reported; nullptr on failure.
+void* createMemfd(size_t bytes, int* fd, std::string* why) {
+  *fd = ::memfd_create("ringreduce", MFD_CLOEXEC);
+  if (*fd < 0) {
+    *why = std::string("memfd_create: ") + std::strerror(errno);
     return nullptr;
   }
+  void* base = nullptr;
+  if (int err = reserve(*fd, bytes); err != 0) {
+    *why = std::string("reserving ") + std::to_string(bytes) + " bytes of memory: " +
+           std::strerror(err);
+  } else {
+    base = mapFd(*fd, bytes, true, why);
+  }
+  if (base == nullptr) {
+    ::close(*fd);
+    *fd = -1;
+  }
   return base;
+}
+
+// Another rank's memfd segment, "memfd:<pid>:<fd>"; nullptr on failure.
+void* openMemfd(const std::string& name, size_t bytes, std::string* why) {
+  const std::string where = name.substr(std::strlen(kMemfdPrefix));
+  const size_t colon = where.find(':');
+  const std::string path = "/proc/" + where.substr(0, colon) + "/fd/" + where.substr(colon + 1);
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    *why = "opening the host leader's segment as " + path + ": " + std::strerror(errno) +
+           " (RINGREDUCE_SHM_MEMFD=0 names it in /dev/shm instead)";
+    return nullptr;
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+    *why = "segment has the wrong size";
+    ::close(fd);
+    return nullptr;
+  }
+  return mapFd(fd, bytes, false, why);
 }
 
 // The segment name's prefix for this pid namespace: names carry the
@@ -111,13 +173,15 @@ void reclaimStaleSegments() {
 }
 
 
-// What one rank's set-up of its host's segment (attach) holds: the segment's
-// name is in the store before the segment exists, so whichever rank outlives
-// a crash can unlink it; every rank does, once all have reported or given up.
+// What one rank's set-up of its host's segment (attach) holds. A named
+// segment's name is in the store before the segment exists, so whichever rank
+// outlives a crash can unlink it; every rank does, once all have reported or
+// given up. A memfd segment has no name to leave.
 struct Mapped {
-  std::string name;
+  std::string name;      // "/ringreduce-..." (named) or "memfd:<pid>:<fd>"
   void* base = nullptr;  // null: not mapped (`why`), or alone on the host
   std::string why;
+  int fd = -1;           // the leader's memfd, open until every rank reported
 };
 
 struct SetUp {
@@ -158,10 +222,25 @@ struct SetUp {
   Mapped createSegment(const Layout& layout) {
     Mapped m;
     reclaimStaleSegments();
-    m.name = "/" + segmentPrefix() + std::to_string(::getpid()) + "-" +
-             std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
-    st.set(hostKey("name"), m.name, deadline, what);
-    m.base = mapSegment(m.name, layout.total, true, &m.why);
+    if (envInt(kEnvShmMemfd, 1) != 0) {
+      std::string why;
+      m.base = createMemfd(layout.total, &m.fd, &why);
+      if (m.base != nullptr) {
+        m.name = kMemfdPrefix + std::to_string(::getpid()) + ":" + std::to_string(m.fd);
+      } else if (debugEnabled()) {
+        fprintf(stderr, "%s no memfd segment (%s); naming one in /dev/shm\n", prefix.c_str(),
+                why.c_str());
+      }
+    }
+    if (m.base == nullptr) {
+      m.name = "/" + segmentPrefix() + std::to_string(::getpid()) + "-" +
+               std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
+      // In the store before the segment exists: whichever rank outlives a crash unlinks it.
+      st.set(hostKey("name"), m.name, deadline, what);
+      m.base = mapNamed(m.name, layout.total, true, &m.why);
+    } else {
+      st.set(hostKey("name"), m.name, deadline, what);
+    }
     if (m.base != nullptr) {
       auto* h = new (m.base) SegmentHeader();
       h->magic = kSegmentMagic;
@@ -189,11 +268,13 @@ struct SetUp {
                                                    " did not create the shared-memory segment "
                                                    "within the group timeout");
     } catch (...) {
-      ::shm_unlink(m.name.c_str());  // the creator may have died after creating it
+      // The creator may have died after creating it.
+      if (isNamed(m.name)) ::shm_unlink(m.name.c_str());
       throw;
     }
     if (created != "1") return m;
-    m.base = mapSegment(m.name, layout.total, false, &m.why);
+    m.base = isNamed(m.name) ? mapNamed(m.name, layout.total, false, &m.why)
+                             : openMemfd(m.name, layout.total, &m.why);
     auto* h = static_cast<SegmentHeader*>(m.base);
     if (m.base != nullptr &&
         (h->magic != kSegmentMagic || h->size != members.size() ||
@@ -221,7 +302,10 @@ struct SetUp {
     const std::string missing =
         awaitKeyWatching(mesh, mesh.storeKey("shm/all"), everyone, deadline, what,
                          "not every rank reported within the group timeout");
-    if (!m.name.empty()) ::shm_unlink(m.name.c_str());  // idempotent; the mappings stay
+    // Every rank reported: none will open the segment any more; the mappings stay.
+    if (isNamed(m.name)) ::shm_unlink(m.name.c_str());  // idempotent
+    if (m.fd >= 0) ::close(m.fd);
+    m.fd = -1;
     if (!missing.empty()) {
       if (m.base != nullptr) ::munmap(m.base, bytes);
       throwTransportError(prefix + " " + what + ": " + missing);
@@ -229,9 +313,17 @@ struct SetUp {
     if (st.add(mesh.storeKey("shm/ok"), 0, deadline, what) == size) return true;
     if (m.base != nullptr) ::munmap(m.base, bytes);
     m.base = nullptr;
-    if (debugEnabled()) {
-      fprintf(stderr, "%s shared memory not used (%s); staying on TCP\n", prefix.c_str(),
-              m.why.empty() ? "a rank of the group could not map its segment" : m.why.c_str());
+    // Never silent: each rank that could not map says why, and rank 0 what it means.
+    if (!m.why.empty()) {
+      fprintf(stderr, "%s ringreduce: no shared memory with this host's ranks: %s\n",
+              prefix.c_str(), m.why.c_str());
+    }
+    if (mesh.rank() == 0) {
+      fprintf(stderr,
+              "%s ringreduce: a rank could not map its host's shared-memory segment (its "
+              "reason is on its stderr): this group's collectives go over TCP "
+              "(RINGREDUCE_SHM=0 chooses TCP without this warning)\n",
+              prefix.c_str());
     }
     return false;
   }
