@@ -150,6 +150,46 @@ def test_strided_and_coalesced_inputs(worlds):
         assert res == {"strided": True, "untouched": True, "coalesced": [True, True]}, res
 
 
+def _shared_broadcasts(ctx, staging, counts):
+    """Remote: broadcasts from every root through the group's shared staging
+    areas (`staging` bytes each: many rounds, the last partial) against gloo's,
+    bit for bit; and the bytes each rank counted."""
+    group = _two_step_group(ctx, staging, "auto")
+    n, rank = ctx.world_size, ctx.rank
+    cases = Cases(ctx, "shared broadcast")
+    cases.true(backend_of(group).transport_kind() == "shm", "the group is not on shared memory")
+    for dtype in (torch.uint8, torch.float32, torch.bfloat16, torch.int64):
+        for count in counts:
+            for root in range(n):
+                with cases.case(dtype=dtype, count=count, root=root):
+                    gen = torch.Generator().manual_seed(count * 7 + root)
+                    data = torch.randint(0, 100, (count,), generator=gen).to(dtype)
+                    ours = data.clone() if rank == root else torch.full((count,), 3).to(dtype)
+                    ref = ours.clone()
+                    dist.broadcast(ours, src=root, group=group)
+                    dist.broadcast(ref, src=root, group=ctx.oracle)
+                    cases.true(torch.equal(ours, ref), "result differs from gloo's")
+                    cases.true(torch.equal(ours, data), "result differs from the root's")
+    return cases.result()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shared_broadcast_of_large_buffers_matches_gloo(worlds, world_size):
+    """From 256 KiB a group sharing memory broadcasts through the staging areas;
+    with 4 KiB areas, 64 and more rounds (counts in elements: 256 KiB of bytes,
+    and past it by an odd count)."""
+    results = worlds.run(world_size, _shared_broadcasts, STAGING["small"],
+                         [256 << 10, 300_001], timeout=RUN_TIMEOUT_S * 3)
+    assert_cases(results, min_checks=40)
+
+
+def test_shared_broadcast_of_any_size_at_eight_ranks(worlds):
+    """At 8 ranks every broadcast takes the staging areas, the empty one too."""
+    results = worlds.run(8, _shared_broadcasts, STAGING["default"], [0, 1, 7, 1003],
+                         timeout=RUN_TIMEOUT_S * 3)
+    assert_cases(results, min_checks=100)
+
+
 @pytest.mark.parametrize("size,shared,bytes_,want", [
     (2, True, 0, "direct"), (2, True, 64 << 10, "direct"), (2, True, (64 << 10) + 1, "two_step"),
     (3, True, 4 << 10, "direct"), (3, True, (4 << 10) + 1, "two_step"),
@@ -230,6 +270,10 @@ def _disagreeing(ctx, how, odd):
         t = torch.ones(5001)
     if ctx.rank == odd and how == "broadcast":
         first = attempt(lambda: dist.broadcast(t, src=odd, group=group))
+    elif how == "root":  # a shared broadcast (above 256 KiB) with another root
+        big = torch.full((100_000,), float(ctx.rank))
+        first = attempt(lambda: dist.broadcast(big, src=odd if ctx.rank == odd else 0,
+                                               group=group))
     else:
         first = attempt(lambda: dist.all_reduce(t, group=group))
     after = attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
@@ -240,6 +284,7 @@ def _disagreeing(ctx, how, odd):
     ("count", r"element count mismatch"),
     ("ring", r"algorithm mismatch"),
     ("broadcast", r"collective mismatch: the peer is running broadcast#"),
+    ("root", r"root mismatch"),
 ])
 def test_a_disagreeing_rank_is_named_by_the_others(pool, how, what):
     n, odd = 3, 1

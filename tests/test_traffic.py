@@ -8,6 +8,9 @@ Closed forms (S payload bytes, n ranks, B = S / n for the block collectives):
   all_reduce, direct (S <= 16 KiB)  every rank sends S to each peer: (n-1) S each
   broadcast (chain from the root)   every rank but the root receives S; every
                                     rank but the last in the chain sends S
+  broadcast (shared memory,         every rank but the root reads S from the
+  S >= 256 KiB)                     root's staging area: S received each, the
+                                    root counts (n-1) S sent
   all_gather / reduce_scatter /
   all_to_all_single                 (n-1) B sent and received per rank
   gather / scatter                  B per non-root; (n-1) B at the root
@@ -28,6 +31,7 @@ SIZES = [1, 2, 3, 4]
 TRANSPORTS = {"shm": {}, "tcp": {"RINGREDUCE_SHM": "0"}}
 RING = 3 * 4096 * 4          # float32 bytes above the 16 KiB direct all-reduce
 DIRECT = 1000                # 250 floats: the direct (one-step) all-reduce
+LARGE = 300 * 1024           # a broadcast above kBroadcastSharedBytes (256 KiB)
 
 
 @pytest.fixture(autouse=True)
@@ -74,6 +78,8 @@ def every_collective(ctx, transport):
                                                                        group=group))
     out["broadcast"] = _counted(group, lambda: dist.broadcast(f(RING // 4), src=n - 1,
                                                               group=group))
+    out["broadcast_large"] = _counted(group, lambda: dist.broadcast(f(LARGE // 4), src=n - 1,
+                                                                    group=group))
     out["all_gather"] = _counted(group, lambda: all_gather_single(
         torch.empty(n * block), f(block), group=group))
     out["reduce_scatter"] = _counted(group, lambda: reduce_scatter_single(
@@ -125,6 +131,14 @@ def test_bytes_and_ops_match_the_closed_forms(worlds, world_size, transport):
         assert res["broadcast"]["bytes_received"] == (0 if r == root else RING)
         last = (root - 1) % n  # the chain runs root, root+1, ..., root-1
         assert res["broadcast"]["bytes_sent"] == (0 if r == last or n == 1 else RING)
+        large = res["broadcast_large"]
+        assert large["ops"] == {"broadcast": 1}, (r, large)
+        if transport == "shm" and n > 1:  # the shared broadcast: peers read the root's area
+            assert large["bytes_received"] == (0 if r == root else LARGE), (r, large)
+            assert large["bytes_sent"] == ((n - 1) * LARGE if r == root else 0), (r, large)
+        else:  # the chain
+            assert large["bytes_received"] == (0 if r == root else LARGE), (r, large)
+            assert large["bytes_sent"] == (0 if r == last or n == 1 else LARGE), (r, large)
         for key in ("all_gather", "reduce_scatter", "all_to_all"):
             assert res[key]["bytes_sent"] == (n - 1) * block, (r, key, res[key])
             assert res[key]["bytes_received"] == (n - 1) * block, (r, key, res[key])

@@ -88,6 +88,16 @@ void reduceRing(const Comm& c, char* data, size_t count, size_t elemSize, Reduce
 
 // Pipelined chain broadcast from root around the ring, segment by segment.
 void broadcastChain(const Comm& c, char* data, size_t bytes, int root);
+// Broadcast through the shared staging areas (one host; broadcast_shared.cpp).
+void broadcastShared(const Comm& c, SharedBuffers& shared, char* data, size_t bytes, int root);
+// Whether a one-host group with shared buffers broadcasts through them rather
+// than down the chain: from kBroadcastSharedBytes, or at any size from
+// kBroadcastSharedRanks ranks (docs/algorithms.md: broadcast).
+constexpr size_t kBroadcastSharedBytes = 256 * 1024;
+constexpr int kBroadcastSharedRanks = 8;
+bool chooseBroadcastShared(size_t bytes, int size);
+// The broadcast this buffer, group and transport take.
+void broadcastAuto(const Comm& c, char* data, size_t bytes, int root);
 
 // Direct gather / scatter: root receives (sends) each rank's block at once.
 // blocks[i] has bytes[i] bytes; non-roots use only blocks[rank].

@@ -116,7 +116,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
   return enqueue(std::move(op), opts.timeout, OpType::BROADCAST, tensors, opts.asyncOp,
                  [h, root](const Comm& c) {
                    at::Tensor s = staged(h);
-                   broadcastChain(c, bytesOf(s), nbytes(s), root);
+                   broadcastAuto(c, bytesOf(s), nbytes(s), root);
                    // The root's tensor is only read: it may be expanded, or an
                    // inference tensor this worker may not write.
                    if (c.rank != root) writeBack(h, s);

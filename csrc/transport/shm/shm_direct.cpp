@@ -67,7 +67,7 @@ class ShmSharedBuffers : public SharedBuffers {
       spec.peer = q;
       const std::string err = headerMismatch(op, spec, stamp);
       if (!err.empty()) {
-        mesh_.failOp(op, members_.ranks[q], err + " (shared-memory two-step all-reduce)");
+        mesh_.failOp(op, members_.ranks[q], err + " (in the shared staging areas)");
       }
     }
   }
@@ -163,7 +163,7 @@ class ShmSharedBuffers : public SharedBuffers {
       behind(which, round, &peer);
       mesh_.failTimeout(op, peer >= 0 ? members_.ranks[peer] : -1, "Timed out after " + std::to_string(op.timeout.count()) +
                                        " ms waiting for the peer to " + doing +
-                                       " of the shared-memory two-step all-reduce");
+                                       " in the shared staging areas");
     };
     while (true) {
       const int sender = firstSender();
