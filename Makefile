@@ -25,9 +25,10 @@ DEPS_RUN    := numpy
 DEPS_DEMO   := $(DEPS_RUN) tqdm
 DEPS_BENCH  := $(DEPS_RUN) tqdm
 # tests/ (the notebook tests run the notebooks and scripts/paradigms.py on
-# scikit-learn's digits; test_docs builds the site with mkdocs)
+# scikit-learn's digits; test_docs builds the site with mkdocs; torch's own test
+# suite, which test_torch_conformance runs, imports expecttest)
 DEPS_TEST   := $(DEPS_RUN) pytest hypothesis scikit-learn nbformat nbclient ipykernel matplotlib \
-               mkdocs-material==9.*
+               mkdocs-material==9.* expecttest
 DEPS_DOCS   := mkdocs-material==9.*
 DEPS_REPORT := $(DEPS_RUN) tqdm scikit-learn nbformat nbclient ipykernel matplotlib
 

@@ -51,25 +51,10 @@ import os
 import sys
 import time
 import traceback
-import types
 import unittest
 from datetime import timedelta
 
 GATE_BACKEND = "gloo"
-
-
-def _stub_expecttest():
-    """torch.testing's common_utils imports expecttest (a test-only dependency of
-    torch) for TestCase's assertExpected*, which none of the chosen tests use."""
-    try:
-        import expecttest  # noqa: F401
-        return False
-    except ImportError:
-        stub = types.ModuleType("expecttest")
-        stub.ACCEPT = False
-        stub.TestCase = unittest.TestCase
-        sys.modules["expecttest"] = stub
-        return True
 
 
 def _monitored_barrier_any_backend(dist, c10d):
@@ -142,7 +127,6 @@ def _load_suite(backend, world_size, test_timeout_s):
     # The suite reads INIT_METHOD at import to gate test_barrier_timeout_global (it
     # needs file://); each test's setUp points it at a fresh file (below).
     os.environ.setdefault("INIT_METHOD", "file:///dev/null")
-    stubbed = _stub_expecttest()
 
     import torch
     import torch.distributed as dist
@@ -179,7 +163,7 @@ def _load_suite(backend, world_size, test_timeout_s):
             cpu = dist.group.WORLD._get_backend(torch.device("cpu"))
             self.assertEqual(cpu.name(), backend)
 
-    return TorchSuite, {"expecttest_stubbed": stubbed, "patches": patches,
+    return TorchSuite, {"patches": patches,
                         "torch": torch.__version__}
 
 

@@ -239,18 +239,8 @@ NOT_RUN = {
 # ringreduce fails these where gloo passes. Each entry names what ringreduce says
 # instead; the test fails if the failure changes or the test starts to pass.
 KNOWN_DIFFERENCES = {
-    # A rank that arrived at the monitored barrier, when another did not, raises
-    # rank 0's message ("Rank 2 failed to pass monitoredBarrier in 2000 ms (seen by
-    # rank 0...)"); torch expects gloo's "Rank 1 successfully reached
-    # monitoredBarrier, but received errors while waiting for send/recv from rank 0".
-    "test_monitored_barrier_failure_order": "failed to pass monitoredBarrier in 2000 ms "
-        "(seen by rank 0",
-    "test_monitored_barrier_gloo@8": "failed to pass monitoredBarrier in 2000 ms "
-        "(seen by rank 0",
-    # On a FileStore (file:// init, as torch's suite uses) with 8 ranks and a 0.1 s
-    # timeout, wait_all_ranks=True takes 1.5 s and blames the store instead of naming
-    # the 7 missing ranks (on a TCPStore it names them in 0.1 s, as gloo does on both).
-    "test_monitored_barrier_wait_all_ranks": "the store did not answer in time",
+    # test name (or "name@world size") -> a piece of the error ringreduce raises
+    # where gloo passes; each entry fails once ringreduce passes. None today.
 }
 
 RUN_TIMEOUT_S = 240.0  # one backend's run of one list, worst case

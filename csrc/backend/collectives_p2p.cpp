@@ -39,7 +39,12 @@ void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
                           " (it did not reach it, or hung or died in it)");
     }
     const std::string verdict = st.get(key("verdict"), verdictBy, what, "");
-    if (verdict != "ok") throwTransportError(prefix + verdict);
+    // gloo's words for a rank that came, which torch's tests match; then rank 0's verdict.
+    if (verdict != "ok") {
+      throwTransportError(prefix + "Rank " + std::to_string(getRank()) +
+                          " successfully reached monitoredBarrier, but received errors while "
+                          "waiting for send/recv from rank 0: " + verdict);
+    }
     return;
   }
   std::vector<int> missing;
@@ -75,7 +80,8 @@ void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
           : (missing.size() == 1 ? "Rank " : "Ranks ") + ranks +
                 " failed to pass monitoredBarrier in " + ms + " (seen by rank 0" +
                 (waitAllRanks ? "" : "; wait_all_ranks=True lists every missing rank") + ")";
-  st.set(key("verdict"), verdict, verdictBy, what);  // the ranks that came raise it too
+  // The ranks that came raise it too, after gloo's words.
+  st.set(key("verdict"), verdict, verdictBy, what);
   throwTransportError(prefix + verdict);
 }
 

@@ -48,6 +48,9 @@ constexpr auto kAnswerGrace = std::chrono::milliseconds(200);
 // in whole seconds): when the wait has not answered by its grace, one check()
 // with this budget tells such a store from one that does not answer at all.
 constexpr auto kLateCheckBudget = std::chrono::milliseconds(500);
+// Waits this short poll the store's check() every kPollEvery (see waitImpl).
+constexpr auto kPollBelow = std::chrono::milliseconds(1000);
+constexpr auto kPollEvery = std::chrono::milliseconds(2);
 
 // Starts fn on a detached helper thread; the state says when it is done.
 std::shared_ptr<CallState> start(const c10::intrusive_ptr<c10d::Store>& store,
@@ -131,7 +134,23 @@ bool StoreCalls::waitImpl(const std::string& key, Clock::time_point deadline,
                           const std::string& what, const std::function<bool()>& stop,
                           std::chrono::milliseconds slice) {
   const auto budget = remaining(deadline);
-  auto state = start(store_, [key, budget](c10d::Store& s) { s.wait({key}, budget); });
+  // A store's wait() may time out in whole seconds (FileStore's does): a
+  // short wait polls check() instead, so it ends at its deadline (and past
+  // the deadline it is one check). The key's absence then is a false wait.
+  auto absent = std::make_shared<bool>(false);
+  auto state = start(store_, [key, budget, deadline, absent](c10d::Store& s) {
+    if (budget > kPollBelow) {
+      s.wait({key}, budget);
+      return;
+    }
+    while (!s.check({key})) {
+      if (Clock::now() >= deadline) {
+        *absent = true;
+        return;
+      }
+      std::this_thread::sleep_for(kPollEvery);
+    }
+  });
   // Past the deadline the one call still gets its grace to answer.
   const auto answerBy = std::max(deadline, Clock::now()) + kAnswerGrace;
   std::unique_lock<std::mutex> lock(state->mu);
@@ -147,7 +166,7 @@ bool StoreCalls::waitImpl(const std::string& key, Clock::time_point deadline,
     lock.lock();
     if (stopped && !state->done) return false;
   }
-  if (!state->error) return true;
+  if (!state->error) return !*absent;
   // The store's own wait ran out: the key is missing, the store is fine.
   if (Clock::now() + std::chrono::milliseconds(50) >= deadline) return false;
   throwTransportError(prefix_ + " " + what + ": the store failed: " + errorText(state->error));
