@@ -275,6 +275,33 @@ def summary(rows, backends):
     return "# avg busbw (GB/s): " + ", ".join(parts)
 
 
+def _ours(groups):
+    """{name: RingBackend} of the ringreduce groups."""
+    return {name: g._get_backend(torch.device("cpu")) for name, g in groups.items()
+            if name.startswith("ringreduce")}
+
+
+def wait_summaries(ctx, groups):
+    """Per ringreduce group, what its ranks' waits did since the last call (the
+    backend's wait_stats, summed over ranks; the CPUs by rank), and a line
+    each for the table: a slow run says whether its ranks slept or moved."""
+    out, lines = {}, []
+    for name, backend in _ours(groups).items():
+        mine = backend.wait_stats()
+        backend.reset_stats()
+        every = [None] * ctx.n
+        dist.all_gather_object(every, mine)  # the default group: gloo
+        total = {k: sum(r[k] for r in every) for k in ("spun", "yielded", "slept", "migrations")}
+        total["cpus_by_rank"] = [r["cpus"] for r in every]
+        total["runnable_threads"] = max(r["runnable_threads"] for r in every)
+        out[name] = total
+        cpus = " | ".join(",".join(map(str, c)) or "-" for c in total["cpus_by_rank"])
+        lines.append(f"# {name} waits (all ranks): {total['spun']} spun, {total['yielded']} "
+                     f"yielded, {total['slept']} slept; {total['migrations']} migrations; "
+                     f"CPUs by rank: {cpus}; runnable threads {total['runnable_threads']}")
+    return out, lines
+
+
 # ------------------------------------------------------------ driver
 
 def sweep_op(op_name, ctx, groups, sizes, args, progress, refs):
@@ -315,34 +342,39 @@ def worker(world, args):
     total = len(args.ops) * len(sizes) * len(groups)
     progress = bu.Progress(total, "bench", enabled=world.rank == 0)
     start, rows = time.perf_counter(), []
+    waits = {}
     for op_name in args.ops if groups else []:
         progress.write("\n" + table_header(op_name, ctx, list(groups), args))
+        wait_summaries(ctx, groups)  # from zero: this table's waits only
         op_rows = sweep_op(op_name, ctx, groups, sizes, args, progress, refs)
         progress.write(summary(op_rows, list(groups)))
+        waits[op_name], lines = wait_summaries(ctx, groups)
+        for line in lines:
+            progress.write(line)
         for text in refs.after_table(op_rows):
             progress.write(text)
         rows += op_rows
     progress.close()
     elapsed = time.perf_counter() - start
-    status = finish(world, ctx, rows, failed, elapsed, args, refs)
+    status = finish(world, ctx, rows, failed, elapsed, args, refs, waits)
     dist.barrier()  # no rank tears down its connections while a peer still uses them
     dist.destroy_process_group()
     return status
 
 
-def finish(world, ctx, rows, failed, elapsed, args, refs):
+def finish(world, ctx, rows, failed, elapsed, args, refs, waits):
     wrong = sum(r["wrong"] or 0 for r in rows)
     errors = sum(1 for r in rows if r.get("error"))
     if world.rank == 0:
         print(f"\n# {len(rows)} rows in {elapsed:.1f} s; wrong elements: {wrong}; "
               f"rows with errors: {errors}; backends unavailable: {sorted(failed) or 'none'}")
-        write_json(world, rows, failed, elapsed, args, refs)
+        write_json(world, rows, failed, elapsed, args, refs, waits)
     if wrong or errors:
         return 1
     return 2 if failed else 0
 
 
-def write_json(world, rows, failed, elapsed, args, refs):
+def write_json(world, rows, failed, elapsed, args, refs, waits):
     if not args.json:
         return
     if args.json == "auto":
@@ -350,7 +382,7 @@ def write_json(world, rows, failed, elapsed, args, refs):
         args.json = os.path.join("results", f"bench_collectives_{world.size}r_{stamp}.json")
     env = {**bu.environment(world), "busy": bl.busy_environment(args), **bm.environment()}
     doc = {"environment": env, "args": vars(args), "unavailable_backends": failed,
-           "elapsed_s": elapsed, "reference": refs.to_json(), "rows": rows}
+           "elapsed_s": elapsed, "reference": refs.to_json(), "rows": rows, "waits": waits}
     folder = os.path.dirname(args.json)
     if folder:
         os.makedirs(folder, exist_ok=True)

@@ -20,6 +20,8 @@ Closed forms (S payload bytes, n ranks, B = S / n for the block collectives):
   barrier                           no payload
   send / recv                       S at each end
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -255,3 +257,34 @@ def cuda_counts(ctx):
 def test_cuda_tensors_count_like_host_tensors(worlds):
     for stats in worlds.run(2, cuda_counts):
         assert stats == {"bytes_sent": RING, "bytes_received": RING, "ops": {"all_reduce": 1}}
+
+
+def _waits(ctx, transport):
+    """Rank 1 comes 50 ms late to an all-reduce: rank 0's wait outlasts the spin
+    and yield budgets (250 us) and sleeps; a reset zeroes the counts."""
+    import time
+
+    group = _group(ctx, transport)
+    backend = group._get_backend(torch.device("cpu"))
+    dist.barrier(group=group)
+    backend.reset_stats()
+    zero = backend.wait_stats()
+    if ctx.rank == 1:
+        time.sleep(0.05)
+    dist.all_reduce(torch.ones(1000), group=group)
+    return {"zero": zero, "after": backend.wait_stats(),
+            "allowed": sorted(os.sched_getaffinity(0))}
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_wait_stats_count_what_the_waits_did(worlds, transport):
+    for rank, res in enumerate(worlds.run(2, _waits, transport)):
+        zero, after = res["zero"], res["after"]
+        assert (zero["spun"], zero["yielded"], zero["slept"], zero["migrations"],
+                zero["cpus"]) == (0, 0, 0, 0, []), (rank, zero)
+        if rank == 0:
+            assert after["slept"] >= 1, (rank, after)
+        waits = after["spun"] + after["yielded"] + after["slept"]
+        assert after["migrations"] <= max(0, waits - 1), (rank, after)
+        assert set(after["cpus"]) <= set(res["allowed"]) | {63}, (rank, after, res["allowed"])
+        assert bool(after["cpus"]) == (waits > 0), (rank, after)

@@ -348,6 +348,11 @@ const WaitPolicy& RingBackend::waitPolicy() const {
   return transport_->mesh().waitPolicy();
 }
 
+void RingBackend::resetStats() {
+  traffic_->reset();
+  transport_->mesh().waitPolicy().resetSummary();
+}
+
 std::string RingBackend::listenAddress() const {
   return transport_->mesh().listenAddress();
 }

@@ -202,7 +202,8 @@ class RingBackend : public c10d::Backend {
   // payload bytes sent and received, and ops issued by torch.distributed name
   // (transport/traffic.h says what counts).
   const Traffic& traffic() const { return *traffic_; }
-  void resetTraffic() { traffic_->reset(); }
+  // Zeroes the traffic counters and the wait summary (WaitPolicy::summary).
+  void resetStats();
   uint64_t refusedCount() const;
 
  private:

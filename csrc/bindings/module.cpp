@@ -111,8 +111,33 @@ PYBIND11_MODULE(_C, m) {
           "Why this rank's first failed collective failed: ErrorType.TIMEOUT, COMM_ERROR (a "
           "connection or a check failed here), REMOTE_ERROR (the group's first error was "
           "another rank's), or SUCCESS")
-      .def("reset_stats", &ringreduce::RingBackend::resetTraffic,
-           "Zeroes the counters that stats() reports")
+      .def("reset_stats", &ringreduce::RingBackend::resetStats,
+           "Zeroes the counters that stats() and wait_stats() report")
+      .def(
+          "wait_stats",
+          [](const ringreduce::RingBackend& b) {
+            const ringreduce::WaitPolicy& w = b.waitPolicy();
+            const ringreduce::WaitPolicy::Summary s = w.summary();
+            py::list cpus;
+            for (int i = 0; i < 64; ++i) {
+              if ((s.cpuMask >> i) & 1) cpus.append(i);
+            }
+            py::dict out;
+            out["spun"] = s.spun;
+            out["yielded"] = s.yielded;
+            out["slept"] = s.slept;
+            out["migrations"] = s.migrations;
+            out["cpus"] = cpus;
+            out["runnable_threads"] = w.lastRunnable();
+            return out;
+          },
+          "This rank's waits for its peers on this group since it was created or last reset, "
+          "each counted once at the furthest it got: {'spun', 'yielded', 'slept': counts "
+          "(RINGREDUCE_SPIN_US / RINGREDUCE_YIELD_US budgets, then a sleep in the kernel), "
+          "'migrations': waits found on another CPU than the previous one, 'cpus': the CPUs "
+          "they were found on (63 stands for 63 and up), 'runnable_threads': the machine's "
+          "runnable threads as last sampled (-1: not yet), which turn the spinning and "
+          "yielding off}")
       .def(
           "wait_policy",
           [](const ringreduce::RingBackend& b) {

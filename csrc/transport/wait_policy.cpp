@@ -102,4 +102,37 @@ void WaitPolicy::yield() {
   sched_yield();
 }
 
+void WaitPolicy::noteWait(Phase furthest) {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  switch (furthest) {
+    case Phase::kSpun: spun_.fetch_add(1, relaxed); break;
+    case Phase::kYielded: yielded_.fetch_add(1, relaxed); break;
+    case Phase::kSlept: slept_.fetch_add(1, relaxed); break;
+    case Phase::kNone: return;
+  }
+  thread_local int lastCpu = -1;
+  const int cpu = sched_getcpu();
+  if (cpu < 0) return;
+  if (lastCpu >= 0 && cpu != lastCpu) migrations_.fetch_add(1, relaxed);
+  lastCpu = cpu;
+  cpuMask_.fetch_or(uint64_t{1} << std::min(cpu, 63), relaxed);
+}
+
+WaitPolicy::Summary WaitPolicy::summary() const {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  Summary s;
+  s.spun = spun_.load(relaxed);
+  s.yielded = yielded_.load(relaxed);
+  s.slept = slept_.load(relaxed);
+  s.migrations = migrations_.load(relaxed);
+  s.cpuMask = cpuMask_.load(relaxed);
+  return s;
+}
+
+void WaitPolicy::resetSummary() {
+  for (auto* counter : {&spun_, &yielded_, &slept_, &migrations_, &cpuMask_}) {
+    counter->store(0, std::memory_order_relaxed);
+  }
+}
+
 }  // namespace ringreduce

@@ -55,6 +55,22 @@ class WaitPolicy {
   int64_t configuredYieldUs() const { return yieldUs_; }
   void yield();
 
+  // What this group's waits did, for explaining a run (a relaxed atomic add
+  // per wait that had to wait, and one sched_getcpu): how many ended while
+  // spinning, while yielding, or slept in the kernel (each counted once, at
+  // the furthest it got); how often the waiting thread was found on another
+  // CPU than at its previous wait; the CPUs it was found on (bit i: CPU i,
+  // CPUs past 63 as bit 63).
+  enum class Phase { kNone = 0, kSpun, kYielded, kSlept };
+  void noteWait(Phase furthest);
+  struct Summary {
+    uint64_t spun = 0, yielded = 0, slept = 0, migrations = 0, cpuMask = 0;
+  };
+  Summary summary() const;
+  void resetSummary();
+  // The machine's runnable threads as last sampled (-1: not yet).
+  int lastRunnable() const { return runnable_.load(std::memory_order_relaxed); }
+
   // --8<-- [start:budgets]
   static constexpr int64_t kDefaultSpinUs = 50;
   static constexpr int64_t kDefaultYieldUs = 200;
@@ -78,6 +94,7 @@ class WaitPolicy {
   std::atomic<int> samples_[kSamples];  // -1: not sampled yet
   std::atomic<unsigned> nextSample_{0};
   std::atomic<int> runnable_{-1};  // the median of samples_
+  std::atomic<uint64_t> spun_{0}, yielded_{0}, slept_{0}, migrations_{0}, cpuMask_{0};
 };
 
 }  // namespace ringreduce

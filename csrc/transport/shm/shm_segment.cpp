@@ -160,9 +160,17 @@ PeerWait::PeerWait(Mesh& mesh, Segment& seg, int local, const std::vector<int>& 
     : mesh_(mesh), seg_(seg), mine_(seg.bell(local)), localOf_(localOf), op_(op),
       idleSince_(Clock::now()) {}
 
+PeerWait::~PeerWait() {
+  mesh_.waitPolicy().noteWait(furthest_);
+}
+
 void PeerWait::moved() {
   idleSince_ = Clock::now();
   gone_ = -1;
+  if (furthest_ != WaitPolicy::Phase::kNone) {
+    mesh_.waitPolicy().noteWait(furthest_);
+    furthest_ = WaitPolicy::Phase::kNone;
+  }
 }
 
 void PeerWait::idle(const std::function<bool()>& ready,
@@ -180,14 +188,18 @@ void PeerWait::idle(const std::function<bool()>& ready,
       std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince_).count();
   WaitPolicy& policy = mesh_.waitPolicy();
   const int64_t spinUs = policy.spinUs();
+  using Phase = WaitPolicy::Phase;
   if (idleUs < spinUs) {
+    furthest_ = std::max(furthest_, Phase::kSpun);
     cpuRelax();
     return;
   }
   if (idleUs < spinUs + policy.yieldUs()) {
+    furthest_ = std::max(furthest_, Phase::kYielded);
     policy.yield();
     return;
   }
+  furthest_ = Phase::kSlept;
   // Sleep on the doorbell: arm, then look once more, so a peer that moved
   // after our last look either is seen now or sees the flag and wakes us.
   mine_.sleeping.store(1);

@@ -169,6 +169,10 @@ class PeerWait {
   // group, its index in the segment (-1 elsewhere).
   PeerWait(Mesh& mesh, Segment& seg, int local, const std::vector<int>& localOf,
            const OpInfo& op);
+  // Counts the wait in progress (WaitPolicy::noteWait).
+  ~PeerWait();
+  PeerWait(const PeerWait&) = delete;
+  PeerWait& operator=(const PeerWait&) = delete;
 
   // The last pass moved something: spin again, forget a closed peer.
   void moved();
@@ -188,6 +192,8 @@ class PeerWait {
   const OpInfo& op_;
   Clock::time_point idleSince_;
   int gone_ = -1;  // a peer whose connection closed; fatal if a full pass then moves nothing
+  // How far the current wait got (spin, yield, sleep); counted when it ends.
+  WaitPolicy::Phase furthest_ = WaitPolicy::Phase::kNone;
   std::vector<int> peers_;
 };
 

@@ -157,22 +157,30 @@ void progressPeer(TcpMesh& mesh, const OpInfo& op, int peer, const pollfd& p,
 TcpTransport::~TcpTransport() = default;
 
 int TcpTransport::pollWithSpin(std::vector<pollfd>& pfds, int timeoutMs) {
+  using Phase = WaitPolicy::Phase;
   WaitPolicy& wait = mesh_->waitPolicy();
   if (const int64_t spin = wait.spinUs(); spin > 0) {
     const auto until = Clock::now() + std::chrono::microseconds(spin);
     do {
       int ready = poll(pfds.data(), pfds.size(), 0);
-      if (ready != 0) return ready;
+      if (ready != 0) {
+        wait.noteWait(Phase::kSpun);
+        return ready;
+      }
     } while (Clock::now() < until);
   }
   if (const int64_t yield = wait.yieldUs(); yield > 0) {
     const auto until = Clock::now() + std::chrono::microseconds(yield);
     do {
       int ready = poll(pfds.data(), pfds.size(), 0);
-      if (ready != 0) return ready;
+      if (ready != 0) {
+        wait.noteWait(Phase::kYielded);
+        return ready;
+      }
       wait.yield();
     } while (Clock::now() < until && wait.yieldUs() > 0);
   }
+  wait.noteWait(Phase::kSlept);
   return poll(pfds.data(), pfds.size(), timeoutMs);
 }
 

@@ -1,0 +1,61 @@
+"""scripts/bench_launches.py: fresh launches of bench_collectives.py, the spread
+over them, and the wait summary a ringreduce table carries (what its ranks'
+waits did). Nothing here times anything: the numbers are checked to exist and
+to be consistent with the launches' own rows."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCRIPT = os.path.join(ROOT, "scripts", "bench_launches.py")
+BENCH = ["--nproc", "2", "--backends", "ringreduce", "gloo", "--ops", "allreduce",
+         "-b", "4K", "-e", "16K", "-f", "4", "--repeats", "2", "--target-time", "0.02"]
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import bench_launches  # noqa: E402
+
+
+def test_launches_and_their_spread(tmp_path):
+    out = tmp_path / "launches.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, SCRIPT, "--launches", "2", "--json", str(out), "--",
+                           *BENCH], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert len(doc["launches"]) == 2
+    # The second launch ran the backends in the other order.
+    assert doc["launches"][0]["args"]["backends"] == ["ringreduce", "gloo"]
+    assert doc["launches"][1]["args"]["backends"] == ["gloo", "ringreduce"]
+    rows = {(r["backend"], r["size_bytes"]): r for r in doc["summary"]}
+    assert set(rows) == {(b, s) for b in ("ringreduce", "gloo") for s in (4096, 16384)}
+    for (backend, size), r in rows.items():
+        ts = [next(x["time_us"] for x in launch["rows"]
+                   if x["backend"] == backend and x["size_bytes"] == size)
+              for launch in doc["launches"]]
+        assert r["time_us_by_launch"] == ts
+        assert (r["min_us"], r["median_us"], r["max_us"]) == (min(ts), statistics.median(ts),
+                                                            max(ts))
+        assert r["max_over_median"] == pytest.approx(max(ts) / statistics.median(ts))
+    for launch in doc["launches"]:
+        waits = launch["waits"]["allreduce"]
+        assert set(waits) == {"ringreduce"}, waits  # ours only
+        w = waits["ringreduce"]
+        assert all(isinstance(w[k], int) and w[k] >= 0
+                   for k in ("spun", "yielded", "slept", "migrations")), w
+        assert len(w["cpus_by_rank"]) == 2 and all(w["cpus_by_rank"]), w
+    assert "ringreduce slowest launch" in proc.stdout, proc.stdout
+    assert "max/median" in proc.stdout
+
+
+def test_every_other_launch_reverses_the_backends():
+    argv = ["--nproc", "2", "--backends", "a", "b", "c", "--ops", "allreduce"]
+    assert bench_launches.reversed_backends(argv) == ["--nproc", "2", "--backends", "c", "b",
+                                                      "a", "--ops", "allreduce"]
+    assert bench_launches.reversed_backends(["--nproc", "2"]) == ["--nproc", "2"]
