@@ -3,7 +3,7 @@
 These mirror the C++ algorithms, so a script can predict what
 torch_ringreduce.traffic(group) will count (payload only, message headers not
 counted). One all_reduce of `count` elements of `itemsize` bytes, S = count *
-itemsize, on n ranks; chooseAllreduce (csrc/algorithms/allreduce_two_step.cpp)
+itemsize, on n ranks; chooseAllreduce (csrc/algorithms/tuning.cpp)
 picks by transport:
 
   n == 1       nothing moves.
@@ -38,14 +38,19 @@ instead of several. At n = 2 every algorithm moves S.
 
 TrafficMeter reads what the backend counted, to set beside these forms.
 """
-# The C++ thresholds (csrc/algorithms/algorithms.h): kDirectAllreduceBytes (TCP),
-# kDirectShared2Bytes / kDirectSharedBytes (shared memory, 2 ranks / more); buffers up
-# to them (inclusive) take allreduceDirect. kDefaultStagingBytes in
-# csrc/transport/shm/shm_setup.cpp: the two-step all-reduce's chunk.
-DIRECT_ALLREDUCE_BYTES = 16 * 1024
-DIRECT_SHARED_2_BYTES = 64 * 1024
-DIRECT_SHARED_BYTES = 4 * 1024
-STAGING_BYTES = 1 << 20
+# The thresholds, read from the extension (csrc/algorithms/tuning.h): buffers up to
+# them (inclusive) take allreduceDirect; the staging area is the two-step's chunk.
+from torch_ringreduce import _C  # noqa: E402 - after the docstring
+
+_TUNING = _C._tuning()
+DIRECT_ALLREDUCE_BYTES = _TUNING["direct_allreduce_bytes"]
+DIRECT_SHARED_2_BYTES = _TUNING["direct_shared_2_bytes"]
+DIRECT_SHARED_BYTES = _TUNING["direct_shared_bytes"]
+
+
+def staging_bytes(local_ranks):
+    """The two-step all-reduce's chunk on a host with `local_ranks` ranks."""
+    return _C._tuning(local_ranks)["staging_bytes"]
 
 
 def even_blocks(count, parts):
@@ -70,13 +75,10 @@ def allreduce_algorithm(nbytes, world_size, transport="shm", hosts=None):
     if world_size == 1:
         return "none"
     if hosts is not None and len(set(hosts)) > 1:
-        if _uniform_shared(hosts):
-            return "direct" if nbytes <= DIRECT_ALLREDUCE_BYTES else "hierarchical"
-        transport = "tcp"
-    if transport == "tcp":
-        return "direct" if nbytes <= DIRECT_ALLREDUCE_BYTES else "ring"
-    limit = DIRECT_SHARED_2_BYTES if world_size == 2 else DIRECT_SHARED_BYTES
-    return "direct" if nbytes <= limit else "two_step"
+        # Several hosts: shared memory counts only on a uniform layout (allreduceAuto).
+        return _C._choose_allreduce(nbytes, world_size, _uniform_shared(hosts),
+                                    hosts=len(set(hosts)))
+    return _C._choose_allreduce(nbytes, world_size, transport == "shm")
 
 
 def allreduce_bytes(count, itemsize, world_size, rank, transport="shm", hosts=None):
@@ -93,7 +95,7 @@ def allreduce_bytes(count, itemsize, world_size, rank, transport="shm", hosts=No
             order = sorted(set(hosts), key=hosts.index)  # hosts by their lowest rank
             local = [q for q in range(n) if hosts[q] == hosts[r]]
             n, r = len(local), local.index(rank)
-        chunk_elems = max(1, STAGING_BYTES // itemsize)
+        chunk_elems = max(1, staging_bytes(n) // itemsize)
         sent = received = 0
         for start in range(0, count, chunk_elems):
             c = min(chunk_elems, count - start)

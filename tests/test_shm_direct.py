@@ -1,5 +1,5 @@
 """The two-step shared-memory all-reduce (csrc/algorithms/allreduce_two_step.cpp over
-csrc/transport/shm/shm_direct.cpp): gloo's results, the rank-order fold bit for bit,
+csrc/transport/shm/shm_shared_buffers.cpp): gloo's results, the rank-order fold bit for bit,
 the same bits on every rank; and its failures are errors naming the rank, never hangs.
 
 Groups force the algorithm (RINGREDUCE_ALLREDUCE=two_step, or direct for the

@@ -1,4 +1,5 @@
-// The collective algorithms, over raw buffers. Each works for any element
+// The collective algorithms, over raw buffers (which one a collective takes:
+// tuning.h). Each works for any element
 // count (0 included), any world size, and keeps every rank in lockstep: even an
 // empty op exchanges headers, so mismatched collectives are caught.
 #pragma once
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "algorithms/comm.h"
+#include "algorithms/tuning.h"
 #include "kernels/reduce_fn.h"
 #include "transport/shared_buffers.h"
 
@@ -27,15 +29,12 @@ void allgatherRing(const Comm& c, const std::vector<char*>& blocks,
 // rank, in ring order, and copied to the others.
 void allreduceRing(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
 
-// --8<-- [start:direct-tcp]
 // Latency-optimal allreduce for small buffers: one step in which every rank
 // sends its whole buffer to every other rank, then each rank reduces all n
 // buffers in rank order 0..n-1. Same order everywhere, so the result is
 // bitwise identical on every rank. Moves (n-1) x the buffer per rank: only for
-// buffers up to kDirectAllreduceBytes.
+// small buffers (tuning.h). allreduce_direct.cpp.
 void allreduceDirect(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
-constexpr size_t kDirectAllreduceBytes = 16 * 1024;
-// --8<-- [end:direct-tcp]
 
 // Two-step all-reduce over memory every rank maps (SharedBuffers), in rounds
 // of at most shared.stagingBytes() per rank: each rank stages its chunk, then
@@ -60,27 +59,6 @@ void allreduceTwoStep(const Comm& c, SharedBuffers& shared, char* data, size_t c
 void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology& topology,
                            char* data, size_t count, size_t elemSize, ReduceFn fn);
 
-// The all-reduce for `bytes` on `size` ranks on `hosts` hosts, `shared` when
-// every rank has SharedBuffers (on a multi-host group: every host runs the
-// same number of ranks, at least two): the forced one (`forced` != kAuto,
-// two-step only on one host with shared memory, hierarchical only on several
-// hosts with it), else the fastest measured (docs/algorithms.md, "Choosing the
-// all-reduce"): over TCP direct up to kDirectAllreduceBytes, then the ring; over
-// shared memory on one host direct up to directSharedBytes(size) (one
-// synchronisation instead of two), then two-step (the ring was slower at
-// every size from 4 KiB to 64 MiB on 2-4 ranks); on several hosts direct up
-// to kDirectAllreduceBytes, then hierarchical.
-AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
-                                   AllreduceAlgorithm forced, int hosts = 1);
-// --8<-- [start:direct-shm]
-constexpr size_t kDirectShared2Bytes = 64 * 1024;  // 2 ranks
-constexpr size_t kDirectSharedBytes = 4 * 1024;     // 3 ranks and more
-size_t directSharedBytes(int size);
-// --8<-- [end:direct-shm]
-
-// The all-reduce chooseAllreduce picks for this buffer, group and transport.
-void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
-
 // Reduce to root: reduce-scatter, then every rank sends its reduced block to
 // root. Equals allreduce bitwise on the root.
 void reduceRing(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn,
@@ -90,14 +68,6 @@ void reduceRing(const Comm& c, char* data, size_t count, size_t elemSize, Reduce
 void broadcastChain(const Comm& c, char* data, size_t bytes, int root);
 // Broadcast through the shared staging areas (one host; broadcast_shared.cpp).
 void broadcastShared(const Comm& c, SharedBuffers& shared, char* data, size_t bytes, int root);
-// Whether a one-host group with shared buffers broadcasts through them rather
-// than down the chain: from kBroadcastSharedBytes, or at any size from
-// kBroadcastSharedRanks ranks (docs/algorithms.md: broadcast).
-constexpr size_t kBroadcastSharedBytes = 256 * 1024;
-constexpr int kBroadcastSharedRanks = 8;
-bool chooseBroadcastShared(size_t bytes, int size);
-// The broadcast this buffer, group and transport take.
-void broadcastAuto(const Comm& c, char* data, size_t bytes, int root);
 
 // Direct gather / scatter: root receives (sends) each rank's block at once.
 // blocks[i] has bytes[i] bytes; non-roots use only blocks[rank].

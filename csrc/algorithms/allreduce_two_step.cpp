@@ -1,5 +1,6 @@
-// Two-step all-reduce over shared buffers, and the choice between it, the
-// ring and the one-step direct all-reduce.
+// Two-step all-reduce over shared buffers (the choice of all-reduce is in
+// tuning.cpp; the hierarchical all-reduce, which runs these rounds on every
+// host, in allreduce_hierarchical.cpp).
 //
 // Naming: the buffer is cut into chunks of at most stagingBytes (one round
 // each); a chunk is cut into n slices (evenBlock), slice r reduced by rank r;
@@ -27,6 +28,7 @@
 
 #include "algorithms/algorithms.h"
 #include "algorithms/segments.h"
+#include "algorithms/two_step_rounds.h"
 #include "kernels/reduce_ops.h"
 
 namespace ringreduce {
@@ -69,11 +71,6 @@ void reduceInOrder(char* dst, char* copy, const std::vector<const char*>& srcs, 
   }
 }
 
-// Between the reduce-scatter and the all-gather of a round: all-reduces this
-// rank's reduced slice (count elements at `slice`) with other hosts. Empty
-// on one host.
-using AcrossHosts = std::function<void(char* slice, size_t count)>;
-
 // One round: chunk (its elements at `base`), step `step` of the op, over the
 // ranks that share `shared` (local ranks).
 void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count,
@@ -111,8 +108,8 @@ void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count
   }
 }
 
-// The rounds of a two-step over `shared`, counting what peers on this host
-// read of this rank's data (and it of theirs).
+}  // namespace
+
 void twoStepRounds(const Comm& c, SharedBuffers& shared, char* data, size_t count,
                    size_t elemSize, ReduceFn fn, const AcrossHosts& across) {
   const int size = shared.size();
@@ -130,94 +127,10 @@ void twoStepRounds(const Comm& c, SharedBuffers& shared, char* data, size_t coun
   c.count(moved, moved);
 }
 
-}  // namespace
-
 void allreduceTwoStep(const Comm& c, SharedBuffers& shared, char* data, size_t count,
                       size_t elemSize, ReduceFn fn) {
   if (c.size == 1) return;
   twoStepRounds(c, shared, data, count, elemSize, fn, {});
-}
-
-void allreduceHierarchical(const Comm& c, SharedBuffers& shared, const Topology& topology,
-                           char* data, size_t count, size_t elemSize, ReduceFn fn) {
-  // The ranks with this rank's local index on every host, in host order.
-  const int local = topology.localIndex[c.rank];
-  std::vector<int> peers;
-  for (const auto& host : topology.hosts) peers.push_back(host[local]);
-  const Comm across = c.subgroup(peers, topology.hostOf[c.rank]);
-  twoStepRounds(c, shared, data, count, elemSize, fn, [&](char* slice, size_t n) {
-    // --8<-- [start:across-hosts]
-    // Across hosts it is TCP: the TCP choice for the slice.
-    if (chooseAllreduce(n * elemSize, across.size, false, AllreduceAlgorithm::kAuto) ==
-        AllreduceAlgorithm::kDirect) {
-      allreduceDirect(across, slice, n, elemSize, fn);
-    } else {
-      allreduceRing(across, slice, n, elemSize, fn);
-    }
-    // --8<-- [end:across-hosts]
-  });
-}
-
-namespace {
-constexpr const char* kAllreduceNames[] = {"auto", "ring", "direct", "two_step", "hierarchical"};
-}  // namespace
-
-const char* allreduceName(AllreduceAlgorithm a) {
-  return kAllreduceNames[static_cast<int>(a)];
-}
-
-bool allreduceFromName(const std::string& name, AllreduceAlgorithm* out) {
-  for (int i = 0; i < static_cast<int>(std::size(kAllreduceNames)); ++i) {
-    if (name == kAllreduceNames[i]) {
-      *out = static_cast<AllreduceAlgorithm>(i);
-      return true;
-    }
-  }
-  return false;
-}
-
-// --8<-- [start:choose]
-size_t directSharedBytes(int size) {
-  return size == 2 ? kDirectShared2Bytes : kDirectSharedBytes;
-}
-
-AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
-                                   AllreduceAlgorithm forced, int hosts) {
-  using A = AllreduceAlgorithm;
-  const bool oneHostShared = shared && hosts == 1, hostsShared = shared && hosts > 1;
-  if ((forced == A::kTwoStep && !oneHostShared) || (forced == A::kHierarchical && !hostsShared)) {
-    forced = A::kAuto;
-  }
-  if (forced != A::kAuto) return forced;
-  if (hostsShared) return bytes <= kDirectAllreduceBytes ? A::kDirect : A::kHierarchical;
-  if (!shared) return bytes <= kDirectAllreduceBytes ? A::kDirect : A::kRing;
-  return bytes <= directSharedBytes(size) ? A::kDirect : A::kTwoStep;
-}
-// --8<-- [end:choose]
-
-void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn) {
-  SharedBuffers* shared = c.transport.sharedBuffers();
-  const Topology& topology = c.transport.topology();
-  const int hosts = static_cast<int>(topology.hosts.size());
-  // --8<-- [start:hierarchical-usable]
-  // Several hosts: the hierarchical all-reduce needs every host's ranks to
-  // share memory, and as many on each (every rank sees the same table).
-  const bool usable = shared != nullptr && (hosts == 1 || (topology.uniform() &&
-                                                           topology.hosts[0].size() >= 2));
-  // --8<-- [end:hierarchical-usable]
-  switch (chooseAllreduce(count * elemSize, c.size, usable, c.allreduce, hosts)) {
-    case AllreduceAlgorithm::kDirect:
-      allreduceDirect(c, data, count, elemSize, fn);
-      return;
-    case AllreduceAlgorithm::kTwoStep:
-      allreduceTwoStep(c, *shared, data, count, elemSize, fn);
-      return;
-    case AllreduceAlgorithm::kHierarchical:
-      allreduceHierarchical(c, *shared, topology, data, count, elemSize, fn);
-      return;
-    default:
-      allreduceRing(c, data, count, elemSize, fn);
-  }
 }
 
 }  // namespace ringreduce

@@ -36,21 +36,4 @@ void broadcastShared(const Comm& c, SharedBuffers& shared, char* data, size_t by
   }
 }
 
-// --8<-- [start:choose-broadcast]
-bool chooseBroadcastShared(size_t bytes, int size) {
-  return bytes >= kBroadcastSharedBytes || size >= kBroadcastSharedRanks;
-}
-// --8<-- [end:choose-broadcast]
-
-void broadcastAuto(const Comm& c, char* data, size_t bytes, int root) {
-  SharedBuffers* shared = c.transport.sharedBuffers();
-  const bool oneHost = c.transport.topology().hosts.size() == 1;
-  if (shared != nullptr && oneHost && chooseBroadcastShared(bytes, c.size)) {
-    broadcastShared(c, *shared, data, bytes, root);
-  } else {
-    broadcastChain(c, data, bytes, root);
-  }
-}
-
 }  // namespace ringreduce
-

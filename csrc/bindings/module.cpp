@@ -281,7 +281,25 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("bytes"), py::arg("size"), py::arg("shared"), py::arg("forced") = "auto",
       py::arg("hosts") = 1,
-      "Testing only: the all-reduce algorithm the backend runs for these arguments");
+      "The all-reduce algorithm the backend runs for these arguments (tests and "
+      "scripts/_traffic_model.py)");
+
+  m.def(
+      "_tuning",
+      [](int localRanks) {
+        py::dict out;
+        out["direct_allreduce_bytes"] = ringreduce::kDirectAllreduceBytes;
+        out["direct_shared_2_bytes"] = ringreduce::kDirectShared2Bytes;
+        out["direct_shared_bytes"] = ringreduce::kDirectSharedBytes;
+        out["broadcast_shared_bytes"] = ringreduce::kBroadcastSharedBytes;
+        out["broadcast_shared_ranks"] = ringreduce::kBroadcastSharedRanks;
+        out["staging_bytes"] = ringreduce::shm::stagingBytesFor(localRanks);
+        return out;
+      },
+      py::arg("local_ranks") = 2,
+      "The thresholds of the algorithm choice (csrc/algorithms/tuning.h) and the staging "
+      "area's bytes for a host with `local_ranks` ranks, for scripts that predict what the "
+      "backend runs (scripts/_traffic_model.py)");
 
   m.def(
       "environment",

@@ -1,6 +1,6 @@
 // The shared-memory segment of one group as every rank maps it, and how a rank
 // waits for its peers in it. Shared by the ring-buffer transport
-// (shm_transport.cpp), the two-step staging areas (shm_direct.cpp) and the
+// (shm_transport.cpp), the two-step staging areas (shm_shared_buffers.cpp) and the
 // set-up (shm_setup.cpp); nothing outside transport/shm/ includes it.
 //
 // Layout (every part 64-byte aligned, each atomic on its own cache line but an
@@ -204,7 +204,7 @@ enum class RingStores { kPlain, kStreaming, kMeasured };
 std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology,
                                             Members members, void* base, const Layout& layout,
                                             RingStores stores);
-// shm_direct.cpp: the segment's staging areas as SharedBuffers.
+// shm_shared_buffers.cpp: the segment's staging areas as SharedBuffers.
 std::unique_ptr<SharedBuffers> makeSharedBuffers(Mesh& mesh, Segment& seg,
                                                  const Members& members);
 

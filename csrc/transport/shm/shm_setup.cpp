@@ -337,6 +337,10 @@ ShmTestHooks& hooks() {
   return h;
 }
 
+size_t stagingBytesFor(int localRanks) {
+  return layoutFor(localRanks).stagingBytes;
+}
+
 std::unique_ptr<Transport> attach(Mesh& mesh, Transport& p2p, const Topology& topology,
                                   Clock::time_point deadline) {
   const int rank = mesh.rank();

@@ -15,7 +15,7 @@
 //
 // The segment also holds two staging areas and two round flags per rank for
 // the two-step and hierarchical all-reduces, which read peers' data in place
-// (SharedBuffers, shm_direct.cpp); their waits follow the same policy.
+// (SharedBuffers, shm_shared_buffers.cpp); their waits follow the same policy.
 //
 // The mesh (transport/mesh.h, TCP) stays up underneath: point-to-point runs on
 // it, and it is how failures travel. A sleeping rank polls its peers'
@@ -55,6 +55,10 @@ struct ShmTestHooks {
   int64_t confirmDelayMs = 0;
 };
 ShmTestHooks& hooks();
+
+// The bytes of each staging area (the two-step all-reduce's and the shared
+// broadcast's round) of a host with `localRanks` ranks of a group.
+size_t stagingBytesFor(int localRanks);
 
 // Shared memory among this rank's host's ranks (topology.hosts), or null when
 // the group does not use it: a rank alone on its host, or any rank of any host
