@@ -291,13 +291,17 @@ def wait_summaries(ctx, groups):
         backend.reset_stats()
         every = [None] * ctx.n
         dist.all_gather_object(every, mine)  # the default group: gloo
-        total = {k: sum(r[k] for r in every) for k in ("spun", "yielded", "slept", "migrations")}
+        total = {k: sum(r[k] for r in every)
+                 for k in ("spun", "yielded", "slept", "migrations", "involuntary_switches",
+                           "minor_faults")}
         total["cpus_by_rank"] = [r["cpus"] for r in every]
         total["runnable_threads"] = max(r["runnable_threads"] for r in every)
         out[name] = total
         cpus = " | ".join(",".join(map(str, c)) or "-" for c in total["cpus_by_rank"])
         lines.append(f"# {name} waits (all ranks): {total['spun']} spun, {total['yielded']} "
                      f"yielded, {total['slept']} slept; {total['migrations']} migrations; "
+                     f"{total['involuntary_switches']} preemptions, {total['minor_faults']} "
+                     f"page faults; "
                      f"CPUs by rank: {cpus}; runnable threads {total['runnable_threads']}")
     return out, lines
 

@@ -118,7 +118,10 @@ def print_table(rows, docs):
                 if w:
                     print(f"# {b} {label} launch ({i}) at {worst['size_bytes']} B: "
                           f"{w['spun']} spun, {w['yielded']} yielded, {w['slept']} slept, "
-                          f"{w['migrations']} migrations, CPUs by rank {w['cpus_by_rank']}, "
+                          f"{w['migrations']} migrations, "
+                          f"{w.get('involuntary_switches', '?')} preemptions, "
+                          f"{w.get('minor_faults', '?')} page faults, "
+                          f"CPUs by rank {w['cpus_by_rank']}, "
                           f"runnable threads {w['runnable_threads']}")
 
 

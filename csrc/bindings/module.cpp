@@ -129,6 +129,10 @@ PYBIND11_MODULE(_C, m) {
             out["migrations"] = s.migrations;
             out["cpus"] = cpus;
             out["runnable_threads"] = w.lastRunnable();
+            out["voluntary_switches"] = s.voluntarySwitches;
+            out["involuntary_switches"] = s.involuntarySwitches;
+            out["minor_faults"] = s.minorFaults;
+            out["major_faults"] = s.majorFaults;
             return out;
           },
           "This rank's waits for its peers on this group since it was created or last reset, "
@@ -137,7 +141,9 @@ PYBIND11_MODULE(_C, m) {
           "'migrations': waits found on another CPU than the previous one, 'cpus': the CPUs "
           "they were found on (63 stands for 63 and up), 'runnable_threads': the machine's "
           "runnable threads as last sampled (-1: not yet), which turn the spinning and "
-          "yielding off}")
+          "yielding off}; and the process's own counts over the same time (getrusage, "
+          "every thread and group of the process): 'voluntary_switches', "
+          "'involuntary_switches' (its threads preempted), 'minor_faults', 'major_faults'")
       .def(
           "wait_policy",
           [](const ringreduce::RingBackend& b) {

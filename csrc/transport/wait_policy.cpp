@@ -1,8 +1,10 @@
 #include "transport/wait_policy.h"
 
 #include <sched.h>
+#include <sys/resource.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -30,9 +32,18 @@ int runnableThreads() {
   return running;
 }
 
+// The process's voluntary and involuntary context switches, minor and major
+// page faults so far.
+std::array<int64_t, 4> processUsage() {
+  rusage u{};
+  if (getrusage(RUSAGE_SELF, &u) != 0) return {0, 0, 0, 0};
+  return {u.ru_nvcsw, u.ru_nivcsw, u.ru_minflt, u.ru_majflt};
+}
+
 }  // namespace
 
 WaitPolicy::WaitPolicy(int worldSize) {
+  resetSummary();
   for (auto& sample : samples_) sample.store(-1, std::memory_order_relaxed);
   cores_ = std::max(1u, std::thread::hardware_concurrency());
   usableCpus_ = cores_;
@@ -126,6 +137,11 @@ WaitPolicy::Summary WaitPolicy::summary() const {
   s.slept = slept_.load(relaxed);
   s.migrations = migrations_.load(relaxed);
   s.cpuMask = cpuMask_.load(relaxed);
+  const std::array<int64_t, 4> now = processUsage();
+  s.voluntarySwitches = now[0] - usageAt_[0].load(relaxed);
+  s.involuntarySwitches = now[1] - usageAt_[1].load(relaxed);
+  s.minorFaults = now[2] - usageAt_[2].load(relaxed);
+  s.majorFaults = now[3] - usageAt_[3].load(relaxed);
   return s;
 }
 
@@ -133,6 +149,8 @@ void WaitPolicy::resetSummary() {
   for (auto* counter : {&spun_, &yielded_, &slept_, &migrations_, &cpuMask_}) {
     counter->store(0, std::memory_order_relaxed);
   }
+  const std::array<int64_t, 4> now = processUsage();
+  for (size_t i = 0; i < now.size(); ++i) usageAt_[i].store(now[i], std::memory_order_relaxed);
 }
 
 }  // namespace ringreduce

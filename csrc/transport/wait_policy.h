@@ -63,8 +63,14 @@ class WaitPolicy {
   // CPUs past 63 as bit 63).
   enum class Phase { kNone = 0, kSpun, kYielded, kSlept };
   void noteWait(Phase furthest);
+  // With the process's own counts since the group was created or the last
+  // reset (getrusage, process-wide: every thread and group of this process):
+  // context switches it asked for (a sleep) and ones the kernel forced (its
+  // thread was preempted), and page faults (minor: a page mapped on first
+  // touch; major: one read from disk).
   struct Summary {
     uint64_t spun = 0, yielded = 0, slept = 0, migrations = 0, cpuMask = 0;
+    int64_t voluntarySwitches = 0, involuntarySwitches = 0, minorFaults = 0, majorFaults = 0;
   };
   Summary summary() const;
   void resetSummary();
@@ -95,6 +101,8 @@ class WaitPolicy {
   std::atomic<unsigned> nextSample_{0};
   std::atomic<int> runnable_{-1};  // the median of samples_
   std::atomic<uint64_t> spun_{0}, yielded_{0}, slept_{0}, migrations_{0}, cpuMask_{0};
+  // The process's getrusage counts at creation or the last reset.
+  std::atomic<int64_t> usageAt_[4] = {0, 0, 0, 0};
 };
 
 }  // namespace ringreduce
