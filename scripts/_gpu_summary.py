@@ -112,12 +112,17 @@ def env_line(info):
             f"CXX {info['cxx']} | {info['cores']} cores | python {info['python']}")
 
 
-def cmd_env(args):
-    info = gather_env()
-    print(info["line"], flush=True)
+def report(result, args):
+    """Prints result["line"] and writes the result as JSON to --json when given."""
+    print(result["line"], flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(info, f, indent=1)
+            json.dump(result, f, indent=1)
+
+
+def cmd_env(args):
+    info = gather_env()
+    report(info, args)
     return 0 if info["cuda_available"] else 1
 
 
@@ -154,10 +159,7 @@ def cmd_device_path(args):
     result["line"] = device_path_line(result["known"], args.var)
     if result["error"]:
         result["line"] += f"; the registry could not be read: {result['error']}"
-    print(result["line"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args)
     return 0 if result["known"] else 1
 
 
