@@ -36,14 +36,6 @@ namespace ringreduce {
 
 class WaitPolicy;
 
-// Testing only: each op run sleeps this long after completing its Work, before
-// its thread takes the next one (0: not at all), as a preempted worker would.
-std::atomic<int64_t>& testCompleteDelayMs();
-// Testing only: the next this-many collectives throw a ValueError once makeOp
-// has numbered them, before they are queued, as a failed allocation of the
-// host copies of CUDA tensors does.
-std::atomic<int64_t>& testRejectAfterNumbering();
-
 // This backend's options (getBackendOptions): torch's, with a type of its own
 // so Python can copy it (split_group deep-copies the parent's).
 struct RingOptions : c10d::Backend::Options {

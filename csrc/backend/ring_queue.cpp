@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "common/rescue.h"
+#include "common/test_hooks.h"
 #include "common/thread_name.h"
 #include "transport/mesh.h"
 
@@ -38,16 +39,6 @@ struct Issuing {
 thread_local Issuing issuing;
 
 }  // namespace
-
-std::atomic<int64_t>& testCompleteDelayMs() {
-  static std::atomic<int64_t> ms{0};
-  return ms;
-}
-
-std::atomic<int64_t>& testRejectAfterNumbering() {
-  static std::atomic<int64_t> ops{0};
-  return ops;
-}
 
 bool RingBackend::runningOpsHere() {
   return tRunningOps;
@@ -186,7 +177,7 @@ OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, u
     issuing.taken = true;
     issuing.seq = op.ctx.seq;
   }
-  std::atomic<int64_t>& reject = testRejectAfterNumbering();
+  std::atomic<int64_t>& reject = testHooks().rejectAfterNumbering;
   TORCH_CHECK_VALUE(reject.load(std::memory_order_relaxed) <= 0 || reject.fetch_sub(1) <= 0,
                     op.ctx.message("rejected after numbering (testing)"));
   op.kind = kind;
@@ -365,7 +356,7 @@ void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
     return;
   }
   e.work->complete();
-  if (const int64_t ms = testCompleteDelayMs().load(std::memory_order_relaxed)) {
+  if (const int64_t ms = testHooks().completeDelayMs.load(std::memory_order_relaxed)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   }
 }

@@ -1,5 +1,6 @@
 #include "backend/ring_work.h"
 
+#include "common/test_hooks.h"
 #include "common/wait_hook.h"
 
 #include <ATen/core/jit_type.h>
@@ -59,17 +60,13 @@ RingWork::RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> out
           c10::ListType::create(c10::TensorType::get()), devicesOf(stage_))),
       started_(std::chrono::steady_clock::now()),
       finished_(started_) {
-  std::atomic<int64_t>& throwing = testThrowingCallbacks();
+  std::atomic<int64_t>& throwing = testHooks().throwingCallbacks;
   if (throwing.load(std::memory_order_relaxed) > 0 && throwing.fetch_sub(1) > 0) {
     future_->addCallback(
         [](c10::ivalue::Future&) { throw std::runtime_error("test: a throwing callback"); });
   }
 }
 
-std::atomic<int64_t>& testThrowingCallbacks() {
-  static std::atomic<int64_t> works{0};
-  return works;
-}
 
 bool RingWork::isCompleted() {
   std::lock_guard<std::mutex> lock(doneMu_);

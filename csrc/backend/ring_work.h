@@ -17,10 +17,6 @@
 
 namespace ringreduce {
 
-// Testing only: the next this-many Works get a C++ callback on their Future
-// that throws (RingWork::complete must log it, and the op still succeed).
-std::atomic<int64_t>& testThrowingCallbacks();
-
 class RingWork : public c10d::Work {
  public:
   // `profiled`: the tensors a profiler trace shows as the op's inputs (the

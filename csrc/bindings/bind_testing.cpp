@@ -15,6 +15,7 @@
 #include "backend/ring_backend.h"
 #include "backend/ring_work.h"
 #include "bindings/bindings.h"
+#include "common/test_hooks.h"
 #include "transport/cpu_budget.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/p2p_engine.h"
@@ -78,27 +79,27 @@ void bindTesting(py::module_& m) {
 
   m.def(
       "_tcp_test_confirm_delay_ms",
-      [](int64_t ms) { return ringreduce::tcp::testConfirmDelayMs().exchange(ms); },
+      [](int64_t ms) { return testHooks().tcpConfirmDelayMs.exchange(ms); },
       py::arg("ms"),
       "Testing only: each TCP op's final check (confirm) first sleeps this long (0: not at "
       "all); returns the previous value.");
 
   m.def(
       "_tcp_test_fail_send_tag",
-      [](int64_t tag) { return ringreduce::tcp::testFailSendTag().exchange(tag); },
+      [](int64_t tag) { return testHooks().tcpFailSendTag.exchange(tag); },
       py::arg("tag"),
       "Testing only: a point-to-point send with this tag (-1: none) fails on its engine as a "
       "broken connection does, aborting the group; returns the previous value.");
 
   m.def(
       "_test_complete_delay_ms",
-      [](int64_t ms) { return ringreduce::testCompleteDelayMs().exchange(ms); }, py::arg("ms"),
+      [](int64_t ms) { return testHooks().completeDelayMs.exchange(ms); }, py::arg("ms"),
       "Testing only: each op's run sleeps this long after completing its Work, before its "
       "thread moves on (0: not at all); returns the previous value.");
 
   m.def(
       "_test_reject_after_numbering",
-      [](int64_t ops) { return ringreduce::testRejectAfterNumbering().exchange(ops); },
+      [](int64_t ops) { return testHooks().rejectAfterNumbering.exchange(ops); },
       py::arg("ops"),
       "Testing only: the next this-many collectives raise ValueError once they have taken "
       "their sequence number, before they are queued (as a failed allocation of CUDA "
@@ -106,7 +107,7 @@ void bindTesting(py::module_& m) {
 
   m.def(
       "_test_throwing_future_callbacks",
-      [](int64_t works) { return ringreduce::testThrowingCallbacks().exchange(works); },
+      [](int64_t works) { return testHooks().throwingCallbacks.exchange(works); },
       py::arg("works"),
       "Testing only: the next this-many ops get a C++ callback on their Future that throws "
       "when the op completes; returns the previous value.");

@@ -34,10 +34,6 @@
 namespace ringreduce {
 namespace tcp {
 
-// Testing only: a send with this tag (-1: none) fails on the engine as a
-// broken connection does, which aborts the group from the engine's thread.
-std::atomic<int64_t>& testFailSendTag();
-
 class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   struct Private {};
 

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/test_hooks.h"
 #include "transport/tcp/socket.h"  // Clock
 
 namespace ringreduce {
@@ -201,17 +202,12 @@ void P2PEngine::readFrom(int peer, std::vector<Completion>& done) {
   }
 }
 
-std::atomic<int64_t>& testFailSendTag() {
-  static std::atomic<int64_t> tag{-1};
-  return tag;
-}
-
 void P2PEngine::writeTo(int peer, std::vector<Completion>& done) {
   auto& queue = sends_[peer];
   while (!queue.empty()) {
     Send& s = queue.front();
     if (s.done == 0 && static_cast<int64_t>(s.header.step) ==
-                           testFailSendTag().load(std::memory_order_relaxed)) {
+                           testHooks().tcpFailSendTag.load(std::memory_order_relaxed)) {
       fatal(s.op.ctx.message("send to rank " + std::to_string(peer) +
                              " failed: injected (testing)"),
             done);

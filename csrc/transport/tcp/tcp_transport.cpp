@@ -20,6 +20,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/test_hooks.h"
 #include "transport/tcp/p2p_engine.h"
 
 namespace ringreduce {
@@ -252,15 +253,10 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
   }
 }
 
-std::atomic<int64_t>& testConfirmDelayMs() {
-  static std::atomic<int64_t> ms{0};
-  return ms;
-}
-
 void TcpTransport::confirm(const OpInfo& op) {
   TcpMesh& mesh = *mesh_;
   if (mesh.size() == 1) return;
-  if (const int64_t ms = testConfirmDelayMs().load(std::memory_order_relaxed)) {
+  if (const int64_t ms = testHooks().tcpConfirmDelayMs.load(std::memory_order_relaxed)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   }
   std::lock_guard<std::mutex> lock(confirmMu_);

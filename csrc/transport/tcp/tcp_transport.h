@@ -19,9 +19,6 @@
 namespace ringreduce {
 namespace tcp {
 
-// Testing only: confirm() sleeps this long (ms) before its check.
-std::atomic<int64_t>& testConfirmDelayMs();
-
 class TcpTransport : public Transport {
  public:
   TcpTransport(std::shared_ptr<TcpMesh> mesh, Topology topology)
