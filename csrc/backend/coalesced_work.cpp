@@ -37,7 +37,8 @@ bool CoalescedWork::wait(std::chrono::milliseconds timeout) {
   for (const auto& w : works_) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
-    w->wait(std::max(left, std::chrono::milliseconds(0)));
+    // At least 1 ms: a timeout of 0 is kNoTimeout, a wait without end.
+    w->wait(std::max(left, std::chrono::milliseconds(1)));
   }
   return true;
 }
