@@ -49,7 +49,7 @@ def test_work_duration_is_the_ops_time(worlds):
     # to rank 1's, less a little for the clock reads.
     late = results[0]["late"]
     waited_ms = (results[1]["late"]["posted_at"] - late["posted_at"]) * 1000
-    assert waited_ms > 0 and late["duration_ms"] >= waited_ms - 2, results
+    assert late["duration_ms"] >= waited_ms - 2, results
 
 
 def _completion_hook(ctx):
