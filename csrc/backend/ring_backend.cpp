@@ -1,22 +1,18 @@
 // RingBackend: construction, shutdown and what the bindings ask of a group.
-// The op queue and its worker threads are in ring_queue.cpp, point-to-point and
-// the barriers in collectives_p2p.cpp, the collectives in collectives*.cpp.
+// Issuing an op is in issue.cpp (the executor that runs it: op_executor.cpp),
+// point-to-point and the barriers in collectives_p2p.cpp, the collectives in
+// collectives*.cpp.
 #include "backend/ring_backend.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
-#include <future>
 #include <iterator>
-#include <system_error>
 
 #include "algorithms/algorithms.h"
 #include "backend/coalesced_work.h"
 #include "common/env.h"
 #include "common/gil.h"
-#include "common/rescue.h"
-#include "common/thread_name.h"
-#include "common/wait_hook.h"
 #include "transport/factory.h"
 #include "transport/mesh.h"
 
@@ -57,18 +53,8 @@ c10::intrusive_ptr<RingBackend> RingBackend::create(const c10::intrusive_ptr<c10
                                                     int rank, int size,
                                                     std::chrono::milliseconds timeout) {
   auto backend = c10::make_intrusive<RingBackend>(store, rank, size, timeout);
-  {
-    std::lock_guard<std::mutex> lock(backend->gate_->mu);
-    backend->gate_->self = c10::weak_intrusive_ptr<RingBackend>(backend);
-  }
-  std::lock_guard<std::mutex> lock(backend->mu_);
-  backend->spawnWorkerLocked();
+  backend->executor_.start(c10::weak_intrusive_ptr<RingBackend>(backend));
   return backend;
-}
-
-c10::weak_intrusive_ptr<RingBackend> RingBackend::weakSelf() const {
-  std::lock_guard<std::mutex> lock(gate_->mu);
-  return gate_->self;
 }
 
 RingBackend::~RingBackend() {
@@ -77,97 +63,38 @@ RingBackend::~RingBackend() {
 
 void RingBackend::release_resources() {
   shutdown();
-  std::lock_guard<std::mutex> lock(gate_->mu);
-  gate_->self = c10::weak_intrusive_ptr<RingBackend>(c10::intrusive_ptr<RingBackend>());
-}
-
-std::vector<std::thread> RingBackend::failDropped(std::deque<Entry>& dropped,
-                                                const std::string& why) {
-  // Failed in issue order. A taken Future's callbacks may wait in torch's
-  // Future::wait() for a later dropped op, which only a later fail() here
-  // completes: such a Work is failed on a thread of its own, waited for a
-  // little, and joined at the end (in a row, the destroy waited forever).
-  std::vector<std::thread> failing;
-  for (auto& e : dropped) {
-    std::exception_ptr error = transportError(e.op.ctx.message(why));  // names rank, op, tensor
-    if (!e.work->futureTaken()) {
-      e.work->fail(error);
-      continue;
-    }
-    auto done = std::make_shared<std::promise<void>>();
-    std::future<void> failed = done->get_future();
-    try {
-      failing.emplace_back([work = e.work, error, done] {
-        nameThisThread("rr-worker");
-        work->fail(error);
-        done->set_value();
-      });
-    } catch (const std::system_error&) {
-      e.work->fail(error);  // no thread to be had: in a row, as before
-      continue;
-    }
-    failed.wait_for(kRescueAfter);
-  }
-  return failing;
+  executor_.releaseOwner();
 }
 
 void RingBackend::shutdown() {
-  // The joins below wait for threads that may free a caller's tensor, which
-  // needs the GIL: never wait for them holding it (common/gil.h).
+  // The threads ended below may free a caller's tensor, which needs the GIL:
+  // never wait for them holding it (common/gil.h).
   ReleaseGilIfHeld noGil;
-  std::deque<Entry> dropped;
-  bool busy;
-  std::vector<std::thread> workers;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && workers_.empty()) return;
-    stopping_ = true;
-    workers.swap(workers_);  // a second shutdown() returns here at once
-    if (watcher_.joinable()) workers.push_back(std::move(watcher_));
-    dropped.swap(queue_);
-    nestedQueued_ = 0;
-    // An op whose Work completed may still hold running_ for a moment (its
-    // thread is on the way out of runEntry): it needs no abort, and aborting
-    // for it would publish a failure on a clean exit.
-    busy = running_ && !runningConfirmed_.load(std::memory_order_acquire);
-  }
-  cv_.notify_all();
-  watchCv_.notify_all();
-  idleCv_.notify_all();  // a wait() in a callback for the queue
+  OpExecutor::Stopping stop = executor_.beginStop();
+  if (stop.already) return;
   const std::string why = "the process group was shut down (destroy_process_group) with " +
-                          std::to_string(dropped.size() + (busy ? 1 : 0)) + " op(s) pending";
-  if (busy || !dropped.empty()) {
+                          std::to_string(stop.dropped.size() + (stop.busy ? 1 : 0)) +
+                          " op(s) pending";
+  if (stop.busy || !stop.dropped.empty()) {
     // Unblocks the op in flight; peers learn at once.
     transport_->abort(rankPrefix(getRank(), getSize()) + " " + why);
   }
-  std::vector<std::thread> failing = failDropped(dropped, why);
-  {
-    // An op running on a caller's thread (inline or a helping wait()) is
-    // aborted: let it leave the transport before it is closed.
-    std::unique_lock<std::mutex> lock(mu_);
-    idleCv_.wait(lock, [this] { return !running_ || runningOpsHere(); });
-  }
+  std::vector<std::thread> failing = executor_.failDropped(
+      stop.dropped, [&why](const OpExecutor::Entry& e) {
+        return transportError(e.op.ctx.message(why));  // names rank, op, tensor
+      });
+  // An op running on a caller's thread (inline or a helping wait()) is
+  // aborted: let it leave the transport before it is closed.
+  executor_.waitIdle();
   transport_->mesh().setAbortHook(nullptr);  // waits for a call in progress
-  // Closed before the workers are joined: no op runs any more, but a worker's
-  // Future callback may wait for a point-to-point op that only the transport's
-  // threads complete, and this may be one of those threads (a p2p callback
-  // that destroys the group). Closing fails such ops.
+  // Closed before the executor's threads end: no op runs any more, but a
+  // worker's Future callback may wait for a point-to-point op that only the
+  // transport's threads complete, and this may be one of those threads (a p2p
+  // callback that destroys the group). Closing fails such ops.
   transport_->close();
-  // From a Future's callback on one of our threads (a worker, a helping
-  // wait(), the p2p engine), another worker may be in a callback waiting for
-  // the Work this thread is completing: joining it would wait forever. The
-  // workers hold the object until they leave their loops (stopping_ is set),
-  // so they are let go; this thread cannot join itself either.
-  const bool fromCallback = settlingHere() || blockingHook().fn != nullptr;
-  workers.insert(workers.end(), std::make_move_iterator(failing.begin()),
-                 std::make_move_iterator(failing.end()));
-  for (auto& t : workers) {
-    if (fromCallback || t.get_id() == std::this_thread::get_id()) {
-      t.detach();
-    } else {
-      t.join();
-    }
-  }
+  stop.threads.insert(stop.threads.end(), std::make_move_iterator(failing.begin()),
+                      std::make_move_iterator(failing.end()));
+  OpExecutor::endThreads(std::move(stop.threads));
 }
 
 std::function<void()> RingBackend::gpuWaitCheck(const OpInfo& op) const {
@@ -333,8 +260,7 @@ std::chrono::milliseconds RingBackend::effective(std::chrono::milliseconds opTim
 }
 
 uint64_t RingBackend::getSequenceNumberForGroup() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return seq_;
+  return seq_.load();
 }
 
 std::string RingBackend::transportKind(const std::string& device) const {

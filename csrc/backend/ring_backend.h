@@ -1,11 +1,12 @@
-// RingBackend: the c10d::Backend behind backend="ringreduce".
+// RingBackend: the c10d::Backend behind backend="ringreduce", an adapter.
 //
 // Each collective method validates its arguments on the calling thread (bad
-// input raises at once, naming rank, op and tensor), builds a RingWork and
-// enqueues a closure on the one FIFO worker thread, which runs the algorithms
-// over the transport in issue order. Every rank issues collectives in the same
-// order, so the per-op sequence number names an op across ranks. Point-to-point
-// ops bypass the queue and go straight to the transport's p2p engine.
+// input raises at once, naming rank, op and tensor), numbers the op, builds a
+// RingWork and hands a closure to the group's OpExecutor (op_executor.h),
+// which runs the algorithms over the transport in issue order. Every rank
+// issues collectives in the same order, so the per-op sequence number names
+// an op across ranks. Point-to-point ops bypass the executor and go straight
+// to the transport's p2p engine.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -20,6 +21,7 @@
 #include <thread>
 
 #include "algorithms/comm.h"
+#include "backend/op_executor.h"
 #include "backend/ring_work.h"
 #include "transport/traffic.h"
 #include "transport/transport.h"
@@ -45,9 +47,8 @@ struct RingOptions : c10d::Backend::Options {
 
 class RingBackend : public c10d::Backend {
  public:
-  // Use create() (public only for make_intrusive): it sets up the weak
-  // reference the threads that run ops and their callbacks hold the backend
-  // through, and starts the first worker.
+  // Use create() (public only for make_intrusive): it hands the executor the
+  // weak reference its threads hold the backend through, and starts it.
   RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
               std::chrono::milliseconds timeout);
   static c10::intrusive_ptr<RingBackend> create(const c10::intrusive_ptr<c10d::Store>& store,
@@ -55,8 +56,8 @@ class RingBackend : public c10d::Backend {
                                                 std::chrono::milliseconds timeout);
   ~RingBackend() override;
   // The last strong reference is gone: shut down now. The object itself goes
-  // with the last weak one (a worker or a helping wait() that was running a
-  // callback which dropped that reference).
+  // with the last weak one (an executor thread or a helping wait() that was
+  // running a callback which dropped that reference).
   void release_resources() override;
 
   const std::string getBackendName() const override { return "ringreduce"; }
@@ -204,21 +205,7 @@ class RingBackend : public c10d::Backend {
   // caller's tensor is set to the result (collectives_sparse.cpp).
   c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors,
                                                  const c10d::AllreduceOptions& opts);
-  using Job = std::function<void(const Comm&)>;
-  struct Entry {
-    OpInfo op;
-    std::chrono::milliseconds timeout;
-    c10::intrusive_ptr<RingWork> work;
-    Job run;
-    // Issued from a Future's callbacks (while a Work was being settled): may
-    // run while earlier Works are still being settled.
-    bool nested = false;
-  };
-  // Whether a thread may start the queue's front op now (with mu_): only once
-  // every earlier Work has been settled, so Futures complete in issue order,
-  // unless an op a callback issued is queued (the callback may be waiting for
-  // it, and everything queued before it must run first).
-  bool mayRunLocked() const { return settling_ == 0 || nestedQueued_ > 0; }
+  using Job = OpExecutor::Job;
 
   // The context of the next collective (for validation messages); notes on
   // this thread that a collective is being issued (see rejectedAtCall).
@@ -238,9 +225,8 @@ class RingBackend : public c10d::Backend {
   // the group with this rank's message (the peers would otherwise wait for
   // the timeout), then raises here as usual.
   void roleChecks(const OpContext& ctx, int root, const std::function<void()>& checks);
-  // Queues the op for the worker; a synchronous op (asyncOp false) finding
-  // the worker idle runs inline on the caller's thread instead, saving two
-  // thread hand-offs (the latency of small collectives).
+  // Builds the op's Work and hands the op to the executor (a synchronous op
+  // finding it idle runs inline on the caller's thread).
   // `stage` holds the host twins of an op on CUDA tensors (the Job uses the
   // twins; `outputs` stay the caller's tensors). `inputs`: what a profiler
   // trace shows (the outputs when empty).
@@ -248,64 +234,15 @@ class RingBackend : public c10d::Backend {
                                          c10d::OpType type, std::vector<at::Tensor> outputs,
                                          bool asyncOp, Job run, DeviceStage stage = {},
                                          const std::vector<at::Tensor>& inputs = {});
-  // Runs the op; returns its error (null: it succeeded). Its Work is settled
-  // afterwards, by settle(), once the op has let go of running_: the Work's
-  // Future callbacks may issue and wait for further ops, which then can run.
-  std::exception_ptr runEntry(Entry& e);
-  // Completes or fails the Work (its Future's callbacks run here). onWorker:
-  // a worker's, counted in workersInCallbacks_ from finishRunning() on.
-  void settle(Entry& e, std::exception_ptr error, bool onWorker);
-  // runEntry, finishRunning, settle: one op, on any thread.
-  void runAndSettle(Entry& e, bool onWorker);
-  // Takes the queue's front entry to run it (with mu_): sets running_.
-  Entry popFrontLocked();
-  // Counts a Work being settled whose Future was taken in settlingTaken_
-  // (once; not after it settled) and arms the watcher (with mu_).
-  void countTakenLocked(RingWork& work);
-  // Runs queued ops on the calling thread, in queue order, up to and
-  // including `work`'s, while no other thread runs one; returns at once when
-  // `work` is not queued, another thread is running an op, or the group is
-  // stopping (RingWork::wait then blocks as before).
-  void runQueuedUntil(const RingWork* work);
-  // Ends an op's run on any thread (worker, inline, runQueuedUntil): clears
-  // running_ and counts the op as being settled (its thread calls settle()
-  // next); wakes the worker when work is queued behind it, and shutdown().
-  void finishRunning(bool onWorker);
+  // The executor's RunOp: runs the op over the transport, confirms it, and on
+  // a failure aborts the group (its peers fail now, not at the timeout).
+  std::exception_ptr runOp(OpExecutor::Entry& e);
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;
-  void workerLoop(const c10::weak_intrusive_ptr<RingBackend>& weak);
-  // Workers: one at first; another whenever work is queued while every one
-  // is inside a Future's callbacks (which may wait for that work). With mu_.
-  void spawnWorkerLocked();
-  void ensureWorkerLocked();
-  // Whether the calling thread is inside runEntry (shutdown() must not wait
-  // for its own op), and whether it is settling a Work (a Future callback:
-  // shutdown() must not join the workers). Thread-local (ring_queue.cpp).
-  static bool runningOpsHere();
-  static bool settlingHere();
-  // shutdown(): fails the dropped entries' Works in issue order, each whose
-  // Future was taken on a thread of its own (returned, to be joined).
-  std::vector<std::thread> failDropped(std::deque<Entry>& dropped, const std::string& why);
   // What a CUDA op's wait for its copies to the host checks (DeviceStage::
   // beforeRun): the group aborted, the op's deadline passed.
   std::function<void()> gpuWaitCheck(const OpInfo& op) const;
-  // The watcher (thread "rr-watch", started the first time it is armed): a
-  // Future callback may block in torch's Future::wait() (which never reaches
-  // RingWork::wait) for an op queued behind its own Work, which no thread
-  // starts until that Work is settled. Armed (with mu_) while a Work whose
-  // Future was taken is settled with ops queued; when nothing has settled for
-  // kRescueAfter (common/rescue.h) and the queue is held only by such settling (every
-  // finished op's Future complete), it lets a worker run the queue's front
-  // op (rescue_; a new worker when every one is in callbacks).
-  void armWatcherLocked();
-  bool watchingLocked() const { return settlingTaken_ > 0 && !queue_.empty(); }
-  bool stalledLocked() const {
-    return watchingLocked() && !running_ && !mayRunLocked() && unmarked_.load() == 0;
-  }
-  void watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak);
-  bool rescuingLocked() const { return rescue_ && settled_ == rescueMark_ && stalledLocked(); }
-
   // Works not yet seen completed (track, waitForPendingWorks); completed ones
   // are dropped as new ones come.
   std::mutex trackedMu_;
@@ -333,71 +270,14 @@ class RingBackend : public c10d::Backend {
   // callback before them on the p2p thread destroyed the group).
   std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();
 
-  // Locking: mu_ guards queue_, stopping_, running_ and seq_ (cv_ waits on
-  // it). It is never held while an op runs or a store call waits, so a
-  // caller's enqueue never waits for an op. The op itself runs with no lock of
-  // ours held (worker thread, or the caller's when inline).
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Entry> queue_;  // guarded by mu_
-  bool stopping_ = false;    // guarded by mu_
-  bool running_ = false;     // guarded by mu_: an op is running (on the worker or inline)
-  // The running op has passed its final check (confirm), so shutdown() need
-  // not abort the group for it: it only completes its Work. Cleared with
-  // running_ set (under mu_), set by the op's thread without the lock (no
-  // lock per op); shutdown() reads it under mu_.
-  std::atomic<bool> runningConfirmed_{false};
-  uint64_t seq_ = 0;         // guarded by mu_: last collective sequence number issued
-  // Point-to-point and monitored-barrier numbering: any caller thread, no lock.
+  // Collective numbering (any issuing thread): the last sequence number
+  // issued. Point-to-point and monitored-barrier numbering likewise.
+  std::atomic<uint64_t> seq_{0};
   std::atomic<uint64_t> p2pSeq_{0};
   std::atomic<uint64_t> monitoredSeq_{0};  // monitored barriers called so far
-  std::vector<std::thread> workers_;  // guarded by mu_; taken by shutdown()
-  size_t workersInCallbacks_ = 0;     // guarded by mu_: workers settling a Work
-  size_t settling_ = 0;               // guarded by mu_: Works being settled, any thread
-  // Of those, the ones whose Future is not yet complete (their callbacks have
-  // not started): a wait() in a callback may run the queue once this is 0
-  // (runQueuedUntil, counted in callbackWaiters_ while it waits on idleCv_).
-  // Atomic: settle() takes mu_ for it only when such a wait is on.
-  std::atomic<size_t> unmarked_{0};
-  std::atomic<size_t> callbackWaiters_{0};
-  size_t nestedQueued_ = 0;           // guarded by mu_: queued entries with `nested`
-  // The watcher (armWatcherLocked), all guarded by mu_: its thread (taken by
-  // shutdown()), whether it waits with no deadline (an arm wakes it), the
-  // Works being settled whose Future was taken, and Works settled so far.
-  std::thread watcher_;
-  bool watcherIdle_ = false;
-  size_t settlingTaken_ = 0;
-  uint64_t settled_ = 0;
-  // The watcher found the queue stalled: one worker may start its front op
-  // although mayRunLocked() says no, while it is still stalled and no Work
-  // settled since (settled_ still rescueMark_); the next popFrontLocked()
-  // clears it.
-  bool rescue_ = false;
-  uint64_t rescueMark_ = 0;
-  std::condition_variable watchCv_;
-  // What a RingWork's wait() and the workers reach the backend through. A
-  // Work may outlive the backend; and a Future callback run by a worker or a
-  // helping wait() may drop the backend's last reference (destroy_process_group
-  // in a callback). So they take a strong reference from `self` for the op
-  // and its callbacks, and the backend shuts down on the thread that drops the
-  // last one (release_resources clears `self`, ending the cycle through gate_).
-  struct HelpGate;  // below: it names this class
-  c10::weak_intrusive_ptr<RingBackend> weakSelf() const;
-  std::shared_ptr<HelpGate> gate_ = std::make_shared<HelpGate>();
-  // shutdown() waits on it (with mu_) for !running_; a wait() in a callback for
-  // the queue to be its to run.
-  std::condition_variable idleCv_;
-};
-
-struct RingBackend::HelpGate {
-  std::mutex mu;  // guards self
-  c10::weak_intrusive_ptr<RingBackend> self{c10::intrusive_ptr<RingBackend>()};
-  // A strong reference to the backend, or null once it is gone. Dropping it
-  // may shut the backend down on the dropping thread.
-  c10::intrusive_ptr<RingBackend> strong() {
-    std::lock_guard<std::mutex> lock(mu);
-    return self.lock();
-  }
+  // Runs the collectives (runOp) in issue order; its threads hold this
+  // backend weakly (create()).
+  OpExecutor executor_{[this](OpExecutor::Entry& e) { return runOp(e); }};
 };
 
 }  // namespace ringreduce

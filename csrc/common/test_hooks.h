@@ -12,11 +12,11 @@ namespace ringreduce {
 
 struct TestHooks {
   // Each op run sleeps this long after completing its Work, before its thread
-  // takes the next one, as a preempted worker would (ring_queue.cpp).
+  // takes the next one, as a preempted worker would (op_executor.cpp).
   std::atomic<int64_t> completeDelayMs{0};
   // The next this-many collectives throw a ValueError once makeOp has numbered
   // them, before they are queued, as a failed allocation of the host copies of
-  // CUDA tensors does (ring_queue.cpp).
+  // CUDA tensors does (issue.cpp).
   std::atomic<int64_t> rejectAfterNumbering{0};
   // The next this-many Works get a C++ callback on their Future that throws
   // (RingWork::complete must log it, and the op still succeed; ring_work.cpp).

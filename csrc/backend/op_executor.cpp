@@ -1,64 +1,73 @@
-// RingBackend's op queue: numbering a collective, queueing it or running it
-// inline, the worker threads that run the queue in issue order, settling each
-// Work (its Future's callbacks), and the watcher that rescues a queue held up
-// by callbacks waiting for ops behind their own.
-#include "backend/ring_backend.h"
+// OpExecutor (op_executor.h): the queue, the inline and helping runs, the
+// worker threads, settling each Work, the watcher, and stopping.
+#include "backend/op_executor.h"
 
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/ScopeExit.h>
 
 #include <algorithm>
+#include <future>
 #include <system_error>
 
 #include "common/rescue.h"
 #include "common/test_hooks.h"
 #include "common/thread_name.h"
-#include "transport/mesh.h"
+#include "common/wait_hook.h"
 
 namespace ringreduce {
 namespace {
 
-// Whether this thread is inside runEntry (the worker, an inline op or a
-// helping wait()): shutdown() from there must not wait for its own op to end,
-// and a wait() there must not run ops itself. (A Work's Future callbacks run
-// after runEntry, so a wait() in them may.)
+// Whether this thread is inside an op's run (a worker, an inline op or a
+// helping wait()): a stop from there must not wait for its own op to end, and
+// a wait() there must not run ops itself. (A Work's Future callbacks run
+// after the run, so a wait() in them may.)
 thread_local bool tRunningOps = false;
 // Whether this thread is a worker running a Future's callbacks.
 thread_local bool tWorkerInCallbacks = false;
 // How many Works this thread is settling (nested: a callback's own op).
 thread_local int tSettlingDepth = 0;
 
-// The collective this thread is issuing: set by nextContext, taken by makeOp
-// (which numbers it), queued or run by enqueue.
-struct Issuing {
-  const RingBackend* backend = nullptr;
-  bool taken = true;
-  uint64_t seq = 0;     // makeOp's number
-  bool queued = false;  // enqueue has it
-};
-thread_local Issuing issuing;
-
 }  // namespace
 
-bool RingBackend::runningOpsHere() {
+OpExecutor::OpExecutor(RunOp run) : run_(std::move(run)) {}
+
+bool OpExecutor::runningOpsHere() {
   return tRunningOps;
 }
 
-bool RingBackend::settlingHere() {
+bool OpExecutor::settlingHere() {
   return tSettlingDepth > 0;
 }
 
-void RingBackend::spawnWorkerLocked() {
-  // Each worker keeps the object (not the backend: it still shuts down with
-  // its last strong reference) until it leaves its loop, so shutdown() may
+OpExecutor::Owner OpExecutor::owner() const {
+  std::lock_guard<std::mutex> lock(gate_->mu);
+  return gate_->owner;
+}
+
+void OpExecutor::start(Owner owner) {
+  {
+    std::lock_guard<std::mutex> lock(gate_->mu);
+    gate_->owner = std::move(owner);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  spawnWorkerLocked();
+}
+
+void OpExecutor::releaseOwner() {
+  std::lock_guard<std::mutex> lock(gate_->mu);
+  gate_->owner = Owner(c10::intrusive_ptr<c10::intrusive_ptr_target>());
+}
+
+void OpExecutor::spawnWorkerLocked() {
+  // Each worker keeps the owner's object (not the owner: it still shuts down
+  // with its last strong reference) until it leaves its loop, so a stop may
   // detach it (from a callback, where joining could wait for this thread).
-  workers_.emplace_back([this, weak = weakSelf()] {
+  workers_.emplace_back([this, weak = owner()] {
     nameThisThread("rr-worker");
     workerLoop(weak);
   });
 }
 
-void RingBackend::ensureWorkerLocked() {
+void OpExecutor::ensureWorkerLocked() {
   // A Future callback on a worker queued this op and may block until it
   // completes (torch's PowerSGD hook waits on a new all_reduce's Future in its
   // `then` callback). When every worker is inside callbacks, another one runs
@@ -71,11 +80,11 @@ void RingBackend::ensureWorkerLocked() {
   }
 }
 
-void RingBackend::armWatcherLocked() {
+void OpExecutor::armWatcherLocked() {
   if (stopping_) return;
   if (!watcher_.joinable()) {
     try {
-      watcher_ = std::thread([this, weak = weakSelf()] {
+      watcher_ = std::thread([this, weak = owner()] {
         nameThisThread("rr-watch");
         watcherLoop(weak);
       });
@@ -89,7 +98,7 @@ void RingBackend::armWatcherLocked() {
   }
 }
 
-void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) {
+void OpExecutor::watcherLoop(const Owner& weak) {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     if (!watchingLocked()) {
@@ -130,7 +139,7 @@ void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) 
       {
         Entry e = popFrontLocked();
         lock.unlock();
-        c10::intrusive_ptr<RingBackend> self = weak.lock();
+        c10::intrusive_ptr<c10::intrusive_ptr_target> self = weak.lock();
         runAndSettle(e, true);
       }  // the entry goes before mu_ is taken again (its tensors may need the GIL)
       lock.lock();
@@ -143,119 +152,56 @@ void RingBackend::watcherLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) 
   watcherIdle_ = false;
 }
 
-OpContext RingBackend::nextContext(const char* name, TensorDesc tensor) const {
-  issuing = Issuing{this, false};
-  return OpContext{getRank(), getSize(), name, seq_ + 1, std::move(tensor)};
-}
-
-void RingBackend::rejectedAtCall(const c10::Error& error) {
-  if (issuing.backend != this || issuing.queued) return;
-  uint64_t seq = issuing.seq;
-  if (!issuing.taken) {
-    issuing.taken = true;
-    std::lock_guard<std::mutex> lock(mu_);
-    seq = ++seq_;
-  }
-  // Else it threw after makeOp numbered it and before enqueue (the host
-  // copies of CUDA tensors are allocated there: pinned memory ran out): the
-  // number is used all the same, and published as rejected like the rest.
-  issuing.queued = true;
-  // A role check aborted the group already (roleChecks): nothing to add.
-  if (getSize() > 1 && transport_->abortReason().empty()) {
-    transport_->mesh().publishRejected(seq, error.what_without_backtrace());
-  }
-}
-
-OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
-                           uint64_t total, int32_t root) {
-  traffic_->countOp(name);
-  OpInfo op;
-  std::lock_guard<std::mutex> lock(mu_);
-  op.ctx = OpContext{getRank(), getSize(), name, ++seq_,
-                     t.defined() ? TensorDesc(t) : TensorDesc()};
-  if (issuing.backend == this && !issuing.taken) {
-    issuing.taken = true;
-    issuing.seq = op.ctx.seq;
-  }
-  std::atomic<int64_t>& reject = testHooks().rejectAfterNumbering;
-  TORCH_CHECK_VALUE(reject.load(std::memory_order_relaxed) <= 0 || reject.fetch_sub(1) <= 0,
-                    op.ctx.message("rejected after numbering (testing)"));
-  op.kind = kind;
-  op.dtype = t.defined() ? static_cast<uint8_t>(t.scalar_type()) : 0;
-  op.reduceOp = reduceOp;
-  op.root = root;
-  op.total = total;
-  return op;
-}
-
-void RingBackend::roleChecks(const OpContext& ctx, int root,
-                             const std::function<void()>& checks) {
-  try {
-    checks();
-  } catch (const c10::Error& err) {
-    if (getSize() > 1) {
-      const std::string who = getRank() == root ? "the root" : "rank " + std::to_string(getRank());
-      transport_->abort(std::string(err.what_without_backtrace()) + " (" + who +
-                        " rejected its arguments; its peers cannot finish " + ctx.op + "#" +
-                        std::to_string(ctx.seq) + ")");
-    }
-    throw;
-  }
-}
-
-c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
-                                                    c10d::OpType type,
-                                                    std::vector<at::Tensor> outputs, bool asyncOp,
-                                                    Job run, DeviceStage stage,
-                                                    const std::vector<at::Tensor>& inputs) {
-  if (issuing.backend == this && issuing.seq == op.ctx.seq) issuing.queued = true;
-  auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs), std::move(stage),
-                                            inputs);
-  track(work);
-  Entry e{std::move(op), effective(opTimeout), work, std::move(run), tSettlingDepth > 0};
+void OpExecutor::submit(Entry e, bool asyncOp) {
+  e.nested = tSettlingDepth > 0;
+  RingWork& work = *e.work;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {
-      work->fail(transportError(e.op.ctx.message("the process group was shut down")));
-      return work;
+      work.fail(transportError(e.op.ctx.message("the process group was shut down")));
+      return;
     }
     if (asyncOp || !queue_.empty() || running_ || !(e.nested || mayRunLocked())) {
-      work->setLateTaken([gate = gate_](RingWork* w) {
-        c10::intrusive_ptr<RingBackend> self = gate->strong();
+      work.setLateTaken([gate = gate_](RingWork* w) {
+        c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong();
         if (!self) return;
-        std::lock_guard<std::mutex> lock(self->mu_);  // released before `self`
-        self->countTakenLocked(*w);
+        std::lock_guard<std::mutex> lock(gate->executor->mu_);  // released before `self`
+        gate->executor->countTakenLocked(*w);
       });
-      work->setHelper([gate = gate_](RingWork* w) {
+      work.setHelper([gate = gate_](RingWork* w) {
         if (tRunningOps) return;
-        // Dropping `self` may shut the backend down here (a callback dropped
-        // its last other reference); nothing after touches it.
-        if (c10::intrusive_ptr<RingBackend> self = gate->strong()) self->runQueuedUntil(w);
+        // Dropping `self` may shut the owner down here (a callback dropped
+        // its last other reference); nothing after touches the executor.
+        if (c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong()) {
+          gate->executor->runQueuedUntil(w);
+        }
       });
       if (e.nested) ++nestedQueued_;
       queue_.push_back(std::move(e));
       ensureWorkerLocked();
       if (settlingTaken_ > 0) armWatcherLocked();
       cv_.notify_one();
-      return work;
+      return;
     }
-    running_ = true;  // keeps the worker off while this op runs here
+    running_ = true;  // keeps the workers off while this op runs here
     runningConfirmed_.store(false, std::memory_order_relaxed);
   }
   runAndSettle(e, false);
-  return work;
 }
 
-void RingBackend::runAndSettle(Entry& e, bool onWorker) {
+void OpExecutor::runAndSettle(Entry& e, bool onWorker) {
   std::exception_ptr error;
   {
     auto finish = c10::make_scope_exit([this, onWorker] { finishRunning(onWorker); });
-    error = runEntry(e);
+    const bool outer = tRunningOps;
+    tRunningOps = true;
+    auto restore = c10::make_scope_exit([outer] { tRunningOps = outer; });
+    error = run_(e);
   }
   settle(e, error, onWorker);
 }
 
-void RingBackend::finishRunning(bool onWorker) {
+void OpExecutor::finishRunning(bool onWorker) {
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -268,7 +214,7 @@ void RingBackend::finishRunning(bool onWorker) {
     ++unmarked_;
     wake = !queue_.empty() || stopping_;
   }
-  // Only the worker waits on cv_, and only for queued work: waking it for
+  // Only the workers wait on cv_, and only for queued work: waking one for
   // nothing would cost a context switch per small op (measured ~10% of a
   // 4 KiB all-reduce's time on 2 ranks).
   if (wake) {
@@ -277,45 +223,7 @@ void RingBackend::finishRunning(bool onWorker) {
   }
 }
 
-std::exception_ptr RingBackend::runEntry(Entry& e) {
-  const bool outer = tRunningOps;
-  tRunningOps = true;
-  auto restore = c10::make_scope_exit([outer] { tRunningOps = outer; });
-  // The op writes into the caller's tensors outside autograd, as gloo's
-  // kernels do: leaves that require grad, their views and AVG's in-place
-  // division are fine in any grad mode of the calling thread. Below the
-  // ADInplaceOrView key too: an inference tensor (made under
-  // torch.inference_mode) is written from a thread that is not in that mode
-  // (it used to fail the op and abort the group: outputs of all_gather, a
-  // non-contiguous tensor, a CUDA tensor's copy back), and no version counter
-  // moves, as when the transport writes a contiguous tensor's memory.
-  at::NoGradGuard noGrad;
-  at::AutoDispatchBelowADInplaceOrView raw;
-  e.op.timeout = e.timeout;
-  e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
-  e.work->markStarted();
-  Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, traffic_.get(), allreduce_};
-  DeviceStage& stage = e.work->stage();
-  try {
-    stage.beforeRun(gpuWaitCheck(e.op));  // CUDA: the copies to the host are done
-    e.run(comm);
-    transport_->confirm(e.op);
-    runningConfirmed_.store(true, std::memory_order_release);
-    stage.afterRun();  // CUDA: the results go back only after a successful op
-    return nullptr;
-  } catch (const std::exception& err) {
-    // A rank that fails mid-op has left the protocol: abort, so its peers
-    // fail now instead of at the timeout.
-    transport_->abort(e.op.ctx.message(err.what()));
-    return std::current_exception();
-  } catch (...) {
-    // Never past here: every run is followed by its settle().
-    transport_->abort(e.op.ctx.message("the op threw a non-standard exception"));
-    return std::current_exception();
-  }
-}
-
-void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
+void OpExecutor::settle(Entry& e, std::exception_ptr error, bool onWorker) {
   ++tSettlingDepth;
   const bool outerOnWorker = tWorkerInCallbacks;  // a nested settle keeps it
   tWorkerInCallbacks = outerOnWorker || onWorker;
@@ -361,14 +269,14 @@ void RingBackend::settle(Entry& e, std::exception_ptr error, bool onWorker) {
   }
 }
 
-void RingBackend::countTakenLocked(RingWork& work) {
+void OpExecutor::countTakenLocked(RingWork& work) {
   if (work.counted || !work.lookOpen()) return;
   work.counted = true;
   ++settlingTaken_;
   if (!queue_.empty()) armWatcherLocked();
 }
 
-RingBackend::Entry RingBackend::popFrontLocked() {
+OpExecutor::Entry OpExecutor::popFrontLocked() {
   Entry e = std::move(queue_.front());
   queue_.pop_front();
   if (e.nested) --nestedQueued_;
@@ -378,7 +286,7 @@ RingBackend::Entry RingBackend::popFrontLocked() {
   return e;
 }
 
-void RingBackend::runQueuedUntil(const RingWork* work) {
+void OpExecutor::runQueuedUntil(const RingWork* work) {
   // In a Future's callback (settling a Work whose Future is complete), this
   // thread's own settling keeps every worker off the queue (mayRunLocked),
   // and the op waited for may have been queued before (not nested): this
@@ -393,7 +301,7 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
         if (stopping_) return;
         if (std::none_of(queue_.begin(), queue_.end(),
                          [work](const Entry& q) { return q.work.get() == work; })) {
-          return;  // already taken by the worker (running or done)
+          return;  // already taken by a worker (running or done)
         }
         if (!running_ && mayRunLocked()) break;
         if (!inCallback) return;
@@ -404,14 +312,14 @@ void RingBackend::runQueuedUntil(const RingWork* work) {
         --callbackWaiters_;
         if (marked) break;
       }
-      e = popFrontLocked();  // running_ keeps the worker off, as for an inline op
+      e = popFrontLocked();  // running_ keeps the workers off, as for an inline op
     }
     runAndSettle(e, false);
     if (e.work.get() == work) return;
   }
 }
 
-void RingBackend::workerLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) {
+void OpExecutor::workerLoop(const Owner& weak) {
   while (true) {
     Entry e;
     {
@@ -424,10 +332,82 @@ void RingBackend::workerLoop(const c10::weak_intrusive_ptr<RingBackend>& weak) {
       e = popFrontLocked();
     }
     // A strong reference for the op and its callbacks: one may drop the last
-    // other one. Dropping this one may then shut the backend down here;
-    // `weak` keeps the object, and the loop ends on stopping_.
-    c10::intrusive_ptr<RingBackend> self = weak.lock();
+    // other one. Dropping this one may then shut the owner down here; `weak`
+    // keeps the object, and the loop ends on stopping_.
+    c10::intrusive_ptr<c10::intrusive_ptr_target> self = weak.lock();
     runAndSettle(e, true);
+  }
+}
+
+OpExecutor::Stopping OpExecutor::beginStop() {
+  Stopping s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && workers_.empty()) {
+      s.already = true;
+      return s;
+    }
+    stopping_ = true;
+    s.threads.swap(workers_);  // a second stop returns above at once
+    if (watcher_.joinable()) s.threads.push_back(std::move(watcher_));
+    s.dropped.swap(queue_);
+    nestedQueued_ = 0;
+    // An op whose Work completed may still hold running_ for a moment (its
+    // thread is on the way out of its run): it needs no abort, and aborting
+    // for it would publish a failure on a clean exit.
+    s.busy = running_ && !runningConfirmed_.load(std::memory_order_acquire);
+  }
+  cv_.notify_all();
+  watchCv_.notify_all();
+  idleCv_.notify_all();  // a wait() in a callback for the queue
+  return s;
+}
+
+std::vector<std::thread> OpExecutor::failDropped(
+    std::deque<Entry>& dropped, const std::function<std::exception_ptr(const Entry&)>& error) {
+  // In a row, the destroy waited forever (a callback waiting for a later op).
+  std::vector<std::thread> failing;
+  for (auto& e : dropped) {
+    std::exception_ptr why = error(e);
+    if (!e.work->futureTaken()) {
+      e.work->fail(why);
+      continue;
+    }
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> failed = done->get_future();
+    try {
+      failing.emplace_back([work = e.work, why, done] {
+        nameThisThread("rr-worker");
+        work->fail(why);
+        done->set_value();
+      });
+    } catch (const std::system_error&) {
+      e.work->fail(why);  // no thread to be had: in a row, as before
+      continue;
+    }
+    failed.wait_for(kRescueAfter);
+  }
+  return failing;
+}
+
+void OpExecutor::waitIdle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idleCv_.wait(lock, [this] { return !running_ || tRunningOps; });
+}
+
+void OpExecutor::endThreads(std::vector<std::thread> threads) {
+  // From a Future's callback on one of our threads (a worker, a helping
+  // wait(), the p2p engine), another worker may be in a callback waiting for
+  // the Work this thread is completing: joining it would wait forever. The
+  // workers hold the object until they leave their loops (stopping_ is set),
+  // so they are let go; this thread cannot join itself either.
+  const bool fromCallback = settlingHere() || blockingHook().fn != nullptr;
+  for (auto& t : threads) {
+    if (fromCallback || t.get_id() == std::this_thread::get_id()) {
+      t.detach();
+    } else {
+      t.join();
+    }
   }
 }
 

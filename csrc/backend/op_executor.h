@@ -1,0 +1,216 @@
+// OpExecutor: runs one group's collectives in issue order and settles their
+// Works, on whatever thread can run them soonest.
+//
+// Every rank issues collectives in the same order, and an op's Future must
+// complete before the next op's (DDP reads its buckets in that order), so ops
+// run one at a time, front of the queue first, and the next op starts only
+// once the previous Work has been settled (its Future completed, its
+// callbacks run). Who runs an op:
+// - the caller's thread, for a synchronous op that finds nothing queued or
+//   running (inline: saves the two thread hand-offs of a small collective);
+// - a thread in Work::wait() (a helping wait: the ops queued up to the one it
+//   waits for, when no other thread runs one);
+// - a worker thread otherwise (one at first; another when work is queued
+//   while every worker is inside a Future's callbacks, which may wait for it);
+// - a callback that waits for an op queued behind its own Work: as a helping
+//   wait once every finished op's Future is complete; and, for a wait that
+//   never reaches Work::wait() (torch's Future::wait()), a worker the watcher
+//   lets run the front op when the queue has been stalled by such settling
+//   for kRescueAfter (common/rescue.h).
+//
+// The executor knows nothing of transports: its owner runs each op (RunOp)
+// and decides what a failure means for the group. It keeps the owner alive
+// (weakly held, locked for each op and its callbacks: a callback may drop
+// the owner's last other reference, and the owner then shuts down on the
+// thread that drops the one taken here).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "backend/ring_work.h"
+#include "transport/transport.h"
+
+namespace ringreduce {
+
+class Comm;
+
+class OpExecutor {
+ public:
+  using Job = std::function<void(const Comm&)>;
+  struct Entry {
+    OpInfo op;
+    std::chrono::milliseconds timeout;
+    c10::intrusive_ptr<RingWork> work;
+    Job run;
+    // Issued from a Future's callbacks (while a Work was being settled): may
+    // run while earlier Works are still being settled.
+    bool nested = false;
+  };
+  // Runs the op on the calling thread with no lock of the executor's held;
+  // returns its error (null: it succeeded). Must not throw.
+  using RunOp = std::function<std::exception_ptr(Entry&)>;
+  using Owner = c10::weak_intrusive_ptr<c10::intrusive_ptr_target>;
+
+  explicit OpExecutor(RunOp run);
+  OpExecutor(const OpExecutor&) = delete;
+  OpExecutor& operator=(const OpExecutor&) = delete;
+
+  // Holds the owner weakly from here on and starts the first worker.
+  void start(Owner owner);
+  // The owner's last strong reference is gone: no thread may take it again.
+  void releaseOwner();
+
+  // Queues the op, or runs it inline (a synchronous op finding nothing queued
+  // or running; `e.nested` is set here). Its Work is failed at once when the
+  // executor is stopping.
+  void submit(Entry e, bool asyncOp);
+
+  // The op being run has passed its final check: a stop need not abort the
+  // group for it (called by RunOp on the op's thread, no lock).
+  void markConfirmed() { runningConfirmed_.store(true, std::memory_order_release); }
+
+  // Shutting down, in the owner's order (RingBackend::shutdown):
+  struct Stopping {
+    bool already = false;            // stopped before: nothing to do
+    std::deque<Entry> dropped;       // queued ops, in issue order, their Works open
+    bool busy = false;               // an op is running and not confirmed
+    std::vector<std::thread> threads;  // workers and the watcher, to be ended
+  };
+  // 1. No op starts any more; the queue is handed back.
+  Stopping beginStop();
+  // 2. Fails the dropped Works in issue order with error(entry). A taken
+  //    Future's callbacks may wait in torch's Future::wait() for a later
+  //    dropped op: such a Work is failed on a thread of its own, waited for a
+  //    little, and that thread is returned, to be ended with the others.
+  std::vector<std::thread> failDropped(std::deque<Entry>& dropped,
+                                       const std::function<std::exception_ptr(const Entry&)>& error);
+  // 3. Waits until no op runs (the owner aborted the one in flight), unless
+  //    the calling thread is running it.
+  void waitIdle();
+  // 4. Joins the threads; lets them go instead when called from a Future's
+  //    callback on one of our threads or the p2p engine's (joining could wait
+  //    for this thread), or for the calling thread itself.
+  static void endThreads(std::vector<std::thread> threads);
+
+  // Whether the calling thread is inside an op's run (a stop there must not
+  // wait for its own op), and whether it is settling a Work (a Future
+  // callback: a stop there must not join the workers).
+  static bool runningOpsHere();
+  static bool settlingHere();
+
+ private:
+  // Whether a thread may start the queue's front op now (with mu_): only once
+  // every earlier Work has been settled, so Futures complete in issue order,
+  // unless an op a callback issued is queued (the callback may be waiting for
+  // it, and everything queued before it must run first).
+  bool mayRunLocked() const { return settling_ == 0 || nestedQueued_ > 0; }
+  // run_, finishRunning, settle: one op, on any thread.
+  void runAndSettle(Entry& e, bool onWorker);
+  // Ends an op's run on any thread: clears running_ and counts the op as being
+  // settled (its thread calls settle() next); wakes the worker when work is
+  // queued behind it, and a stop.
+  void finishRunning(bool onWorker);
+  // Completes or fails the Work (its Future's callbacks run here). onWorker:
+  // a worker's, counted in workersInCallbacks_ from finishRunning() on.
+  void settle(Entry& e, std::exception_ptr error, bool onWorker);
+  // Takes the queue's front entry to run it (with mu_): sets running_.
+  Entry popFrontLocked();
+  // Counts a Work being settled whose Future was taken in settlingTaken_
+  // (once; not after it settled) and arms the watcher (with mu_).
+  void countTakenLocked(RingWork& work);
+  // Runs queued ops on the calling thread, in queue order, up to and
+  // including `work`'s, while no other thread runs one; returns at once when
+  // `work` is not queued, another thread is running an op, or the executor is
+  // stopping (RingWork::wait then blocks as before).
+  void runQueuedUntil(const RingWork* work);
+  void workerLoop(const Owner& owner);
+  // Workers: one at first; another whenever work is queued while every one
+  // is inside a Future's callbacks (which may wait for that work). With mu_.
+  void spawnWorkerLocked();
+  void ensureWorkerLocked();
+  // The watcher (thread "rr-watch", started the first time it is armed): a
+  // Future callback may block in torch's Future::wait() (which never reaches
+  // RingWork::wait) for an op queued behind its own Work, which no thread
+  // starts until that Work is settled. Armed (with mu_) while a Work whose
+  // Future was taken is settled with ops queued; when nothing has settled for
+  // kRescueAfter and the queue is held only by such settling (every finished
+  // op's Future complete), it lets a worker run the queue's front op (rescue_;
+  // a new worker when every one is in callbacks).
+  void armWatcherLocked();
+  bool watchingLocked() const { return settlingTaken_ > 0 && !queue_.empty(); }
+  bool stalledLocked() const {
+    return watchingLocked() && !running_ && !mayRunLocked() && unmarked_.load() == 0;
+  }
+  void watcherLoop(const Owner& owner);
+  bool rescuingLocked() const { return rescue_ && settled_ == rescueMark_ && stalledLocked(); }
+
+  const RunOp run_;
+
+  // What the Works' hooks (helping wait, late-taken Future) reach the
+  // executor through: the owner, locked for the call (dropping it may shut
+  // the owner down on that thread; nothing after touches the executor).
+  struct Gate {
+    std::mutex mu;  // guards owner
+    Owner owner{c10::intrusive_ptr<c10::intrusive_ptr_target>()};
+    OpExecutor* executor;
+    explicit Gate(OpExecutor* e) : executor(e) {}
+    c10::intrusive_ptr<c10::intrusive_ptr_target> strong() {
+      std::lock_guard<std::mutex> lock(mu);
+      return owner.lock();
+    }
+  };
+  Owner owner() const;
+  std::shared_ptr<Gate> gate_ = std::make_shared<Gate>(this);
+
+  // Locking: mu_ guards every field below that says so (cv_, idleCv_ and
+  // watchCv_ wait on it). It is never held while an op runs or a Work is
+  // settled, so a caller's submit never waits for an op.
+  std::mutex mu_;
+  std::condition_variable cv_;  // the workers wait on it for a runnable front op
+  std::deque<Entry> queue_;     // guarded by mu_
+  bool stopping_ = false;       // guarded by mu_
+  bool running_ = false;        // guarded by mu_: an op is running (any thread)
+  // The running op has passed its final check (markConfirmed). Cleared with
+  // running_ set (under mu_), set by the op's thread without the lock (no
+  // lock per op); beginStop() reads it under mu_.
+  std::atomic<bool> runningConfirmed_{false};
+  std::vector<std::thread> workers_;  // guarded by mu_; taken by beginStop()
+  size_t workersInCallbacks_ = 0;     // guarded by mu_: workers settling a Work
+  size_t settling_ = 0;               // guarded by mu_: Works being settled, any thread
+  // Of those, the ones whose Future is not yet complete (their callbacks have
+  // not started): a wait() in a callback may run the queue once this is 0
+  // (runQueuedUntil, counted in callbackWaiters_ while it waits on idleCv_).
+  // Atomic: settle() takes mu_ for it only when such a wait is on.
+  std::atomic<size_t> unmarked_{0};
+  std::atomic<size_t> callbackWaiters_{0};
+  size_t nestedQueued_ = 0;           // guarded by mu_: queued entries with `nested`
+  // The watcher, all guarded by mu_: its thread (taken by beginStop()),
+  // whether it waits with no deadline (an arm wakes it), the Works being
+  // settled whose Future was taken, and Works settled so far.
+  std::thread watcher_;
+  bool watcherIdle_ = false;
+  size_t settlingTaken_ = 0;
+  uint64_t settled_ = 0;
+  // The watcher found the queue stalled: one worker may start its front op
+  // although mayRunLocked() says no, while it is still stalled and no Work
+  // settled since (settled_ still rescueMark_); the next popFrontLocked()
+  // clears it.
+  bool rescue_ = false;
+  uint64_t rescueMark_ = 0;
+  std::condition_variable watchCv_;
+  // waitIdle() waits on it for !running_; a wait() in a callback for the
+  // queue to be its to run.
+  std::condition_variable idleCv_;
+};
+
+}  // namespace ringreduce
