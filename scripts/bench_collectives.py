@@ -176,13 +176,13 @@ def new_group(name, timeout):
 
     saved = os.environ.get("RINGREDUCE_ALLREDUCE")
     os.environ["RINGREDUCE_ALLREDUCE"] = algorithm or "auto"
-    old = _C._shm_test_staging_bytes(bu.parse_size(staging) if staging else 0)
-    old_stores = _C._shm_test_ring_stores(RING_STORES[stores])
+    old = _C._testing.shm_staging_bytes(bu.parse_size(staging) if staging else 0)
+    old_stores = _C._testing.shm_ring_stores(RING_STORES[stores])
     try:
         return dist.new_group(backend=backend, timeout=timeout)
     finally:
-        _C._shm_test_ring_stores(old_stores)
-        _C._shm_test_staging_bytes(old)
+        _C._testing.shm_ring_stores(old_stores)
+        _C._testing.shm_staging_bytes(old)
         if saved is None:
             del os.environ["RINGREDUCE_ALLREDUCE"]
         else:

@@ -189,7 +189,7 @@ def main():
         dist.barrier(group=gloo)
         try:
             if rank == 0:
-                _C._shm_test_confirm_delay_ms(5000)  # between its TCP and shm checks
+                _C._testing.shm_confirm_delay_ms(5000)  # between its TCP and shm checks
                 work = dist.all_reduce(t, async_op=True)
                 while not os.path.exists(flag):  # rank 1 (this host) finished the op
                     time.sleep(0.005)

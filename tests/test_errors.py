@@ -633,14 +633,14 @@ def _destroy_right_after_a_finished_op(ctx, delay_ms):
                             world_size=ctx.world_size, timeout=ctx.pg_timeout)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     t = torch.ones(1024)
-    previous = _C._test_complete_delay_ms(delay_ms)
+    previous = _C._testing.complete_delay_ms(delay_ms)
     try:
         work = dist.all_reduce(t, async_op=True)
         time.sleep(0.1)  # the worker takes it (else wait() would run it here)
         work.wait()
         dist.destroy_process_group()
     finally:
-        _C._test_complete_delay_ms(previous)
+        _C._testing.complete_delay_ms(previous)
     return {"sum": t[0].item(), "abort_reason": backend.abort_reason()}
 
 
@@ -659,7 +659,7 @@ def _ops_with_throwing_future_callbacks(ctx):
     log = tempfile.TemporaryFile()
     saved = os.dup(2)
     os.dup2(log.fileno(), 2)
-    previous = _C._test_throwing_future_callbacks(3)
+    previous = _C._testing.throwing_future_callbacks(3)
     try:
         t = torch.full((1024,), float(ctx.rank + 1))
         dist.all_reduce(t)
@@ -676,14 +676,14 @@ def _ops_with_throwing_future_callbacks(ctx):
         else:
             dist.recv(p2p, src=0)
         out["p2p"] = p2p
-        out["left"] = _C._test_throwing_future_callbacks(previous)
+        out["left"] = _C._testing.throwing_future_callbacks(previous)
         t = torch.full((1024,), float(ctx.rank + 1))
         dist.all_reduce(t)
         out["after"] = t
         out["abort_reason"] = backend.abort_reason()
         dist.destroy_process_group()
     finally:
-        _C._test_throwing_future_callbacks(previous)
+        _C._testing.throwing_future_callbacks(previous)
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
@@ -774,14 +774,14 @@ def _destroyed_before_its_own_check(ctx, mode):
     _init_with_shm(ctx, "0", f"ownabort{mode}", timedelta(seconds=30))
     from torch_ringreduce import _C
     if mode == "after_rejected":
-        _C._test_reject_after_numbering(1)
+        _C._testing.reject_after_numbering(1)
         try:
             refused = _outcome(lambda: dist.all_reduce(torch.ones(8)))
         finally:
-            _C._test_reject_after_numbering(0)
+            _C._testing.reject_after_numbering(0)
         if "rejected after numbering" not in refused:
             return f"the numbered op was not refused: {refused}"
-    previous = _C._tcp_test_confirm_delay_ms(1500 if ctx.rank == 0 else 3000)
+    previous = _C._testing.tcp_confirm_delay_ms(1500 if ctx.rank == 0 else 3000)
     try:
         work = dist.all_reduce(torch.ones(1024), async_op=True)
         if ctx.rank == 0:
@@ -789,7 +789,7 @@ def _destroyed_before_its_own_check(ctx, mode):
             dist.destroy_process_group()
         outcome = _outcome(work.wait)
     finally:
-        _C._tcp_test_confirm_delay_ms(previous)
+        _C._testing.tcp_confirm_delay_ms(previous)
     if ctx.rank == 1:
         _outcome(dist.destroy_process_group)
     return outcome
@@ -819,17 +819,17 @@ def _p2p_breaks_before_a_check(ctx, shm):
     group from the engine's thread. Returns how the all_reduce ended here."""
     _init_with_shm(ctx, shm, "p2pfatal", timedelta(seconds=30))
     from torch_ringreduce import _C
-    hook = _C._shm_test_confirm_delay_ms if shm == "1" else _C._tcp_test_confirm_delay_ms
+    hook = _C._testing.shm_confirm_delay_ms if shm == "1" else _C._testing.tcp_confirm_delay_ms
     previous = hook(2000 if ctx.rank == 0 else 4000)
     try:
         work = dist.all_reduce(torch.ones(1024), async_op=True)
         if ctx.rank == 0:
             time.sleep(0.5)  # the op's transfers are done: it sleeps before its check
-            _C._tcp_test_fail_send_tag(77)
+            _C._testing.tcp_fail_send_tag(77)
             try:
                 _outcome(dist.isend(torch.ones(8), dst=1, tag=77).wait)
             finally:
-                _C._tcp_test_fail_send_tag(-1)
+                _C._testing.tcp_fail_send_tag(-1)
         outcome = _outcome(work.wait)
     finally:
         hook(previous)
@@ -1171,7 +1171,7 @@ def _abort_after_a_finished_op(ctx):
         store.set("abortseq/aborted", "1")
         store.wait(["abortseq/checked"])  # rank 0's process outlives rank 1's check
         return {}
-    previous = _C._shm_test_confirm_delay_ms(2000)
+    previous = _C._testing.shm_confirm_delay_ms(2000)
     out = {}
     try:
         dist.all_reduce(t)
@@ -1179,7 +1179,7 @@ def _abort_after_a_finished_op(ctx):
     except Exception as err:  # noqa: BLE001 - reported to the parent
         out["allreduce"] = str(err)
     finally:
-        _C._shm_test_confirm_delay_ms(previous)
+        _C._testing.shm_confirm_delay_ms(previous)
     # The abort came while rank 1 slept in its check, or the case is not tested.
     out["aborted_before_check"] = store.check(["abortseq/aborted"])
     start = time.monotonic()

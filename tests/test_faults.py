@@ -444,7 +444,7 @@ def _die_after_create(ctx, tag, timeout_s, memfd):
 
     os.environ["RINGREDUCE_SHM_MEMFD"] = str(memfd)  # a process of this test's own
     if ctx.rank == 0:
-        _C._shm_test_die_after_create(True)
+        _C._testing.shm_die_after_create(True)
     started = time.monotonic()
     try:
         backend = _direct_backend(ctx, tag, timeout_s, "shm")
@@ -657,11 +657,11 @@ def _one_rank_rejects(ctx, transport, op, then):
         if op == "after_numbering":  # valid arguments, refused once numbered
             from torch_ringreduce import _C
             if bad:
-                _C._test_reject_after_numbering(1)
+                _C._testing.reject_after_numbering(1)
             try:
                 dist.all_reduce(t, group=group)
             finally:
-                _C._test_reject_after_numbering(0)
+                _C._testing.reject_after_numbering(0)
         elif op == "all_gather":
             dist.all_gather([torch.empty(4) for _ in range(n - 1 if bad else n)], t,
                             group=group)
@@ -1000,7 +1000,7 @@ def test_a_connect_the_peer_never_answers_ends_at_the_deadline():
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=rf"cannot connect to 127\.0\.0\.1:{port}: "
                                                r"no answer before the deadline"):
-            _C._test_connect(f"127.0.0.1:{port}", 500)
+            _C._testing.connect(f"127.0.0.1:{port}", 500)
         assert time.monotonic() - start < 3
     finally:
         for s in fillers + [server]:

@@ -103,7 +103,7 @@ def test_connect_takes_both_ipv6_forms(form):
     with socket.socket(socket.AF_INET6) as server:
         server.bind(("::1", 0))
         server.listen(1)
-        _C._test_connect(form.format(server.getsockname()[1]), 2000)
+        _C._testing.connect(form.format(server.getsockname()[1]), 2000)
         conn, peer = server.accept()
         conn.close()
         assert peer[0] == "::1"

@@ -147,11 +147,11 @@ def _ring_stores_exact(ctx):
     rank, n = ctx.rank, ctx.world_size
     failures = []
     for mode, value in STORE_MODES.items():
-        old = _C._shm_test_ring_stores(value)
+        old = _C._testing.shm_ring_stores(value)
         try:
             group = _group_with_env(RINGREDUCE_SHM_RING_BYTES=4096)
         finally:
-            _C._shm_test_ring_stores(old)
+            _C._testing.shm_ring_stores(old)
         if _kind(group) != "shm":
             failures.append(f"{mode}: the group is on {_kind(group)}")
             continue
@@ -183,7 +183,7 @@ def test_ring_stores_move_exact_bytes(worlds, world_size):
 
 def _stores_follow_measurement(ctx):
     """All-gathers of 64 KiB per rank (every rank sends 64 KiB) on a new group whose
-    measured op times (_shm_test_store_penalty_us) make one kind of ring store slow:
+    measured op times (_testing.shm_store_penalty_us) make one kind of ring store slow:
     how many ops chose each kind while it sampled, and after, per slow kind."""
     from torch_ringreduce import _C
 
@@ -191,11 +191,11 @@ def _stores_follow_measurement(ctx):
     samples = 2 * 9  # RingStoreChooser::kSamples of each
     chose, failures = {}, []
     for slow in ("streaming", "plain"):
-        old = _C._shm_test_store_penalty_us(*((0, 1e6) if slow == "streaming" else (1e6, 0)))
+        old = _C._testing.shm_store_penalty_us(*((0, 1e6) if slow == "streaming" else (1e6, 0)))
         try:
             group = dist.new_group(backend="ringreduce")
             fits = group._get_backend(CPU).wait_policy()["ranks_fit_cpus"]
-            counts = [_C._shm_test_store_counts()]
+            counts = [_C._testing.shm_store_counts()]
             for phase in (samples, 20):
                 for i in range(phase):
                     ins = torch.full((16_384,), float(rank * 1000 + i))
@@ -204,9 +204,9 @@ def _stores_follow_measurement(ctx):
                     for r in range(n):
                         if not torch.equal(outs[r], torch.full((16_384,), float(r * 1000 + i))):
                             failures.append(f"{slow} slow, op {i}: rank {r}'s block differs")
-                counts.append(_C._shm_test_store_counts())
+                counts.append(_C._testing.shm_store_counts())
         finally:
-            _C._shm_test_store_penalty_us(*old)
+            _C._testing.shm_store_penalty_us(*old)
         dist.destroy_process_group(group)
         chose[slow] = [tuple(b - a for a, b in zip(counts[k], counts[k + 1])) for k in (0, 1)]
     return fits, chose, failures

@@ -4,7 +4,7 @@ the same bits on every rank; and its failures are errors naming the rank, never 
 
 Groups force the algorithm (RINGREDUCE_ALLREDUCE=two_step, or direct for the
 one-step test); the "small" group's staging areas hold 4 KiB
-(_C._shm_test_staging_bytes), so modest counts cross many rounds and end in a
+(_C._testing.shm_staging_bytes), so modest counts cross many rounds and end in a
 partial one; the "default" group's hold 1 MiB.
 Oracles: the same all_reduce on gloo (assert_close for floats, equal for the
 rest), and the left-to-right fold of every rank's input in rank order 0..n-1,
@@ -49,12 +49,12 @@ def _two_step_group(ctx, staging, algorithm="two_step"):
     cache = ctx.__dict__.setdefault("_two_step_groups", {})
     key = (staging, algorithm)
     if key not in cache:
-        old = _C._shm_test_staging_bytes(staging)
+        old = _C._testing.shm_staging_bytes(staging)
         try:
             cache[key] = with_env({"RINGREDUCE_ALLREDUCE": algorithm},
                                   lambda: dist.new_group(backend="ringreduce"))
         finally:
-            _C._shm_test_staging_bytes(old)
+            _C._testing.shm_staging_bytes(old)
     return cache[key]
 
 
@@ -254,12 +254,12 @@ def pool(tmp_path_factory):
 def _fresh_group(ctx, algorithm="two_step", timeout_s=30):
     from torch_ringreduce import _C
 
-    old = _C._shm_test_staging_bytes(STAGING["small"])
+    old = _C._testing.shm_staging_bytes(STAGING["small"])
     try:
         return with_env({"RINGREDUCE_ALLREDUCE": algorithm}, lambda: dist.new_group(
             backend="ringreduce", timeout=timedelta(seconds=timeout_s)))
     finally:
-        _C._shm_test_staging_bytes(old)
+        _C._testing.shm_staging_bytes(old)
 
 
 def _disagreeing(ctx, how, odd):

@@ -11,5 +11,6 @@ PYBIND11_MODULE(_C, m) {
   py::module_::import("torch.distributed");
   ringreduce::bindBackend(m);
   ringreduce::bindSyncBatchNorm(m);
+  ringreduce::bindInternals(m);
   ringreduce::bindTesting(m);
 }

@@ -2,7 +2,8 @@
 // sends and receives addressed by peer rank; an implementation (TCP in tcp/,
 // shared memory over TCP in shm/) moves the bytes. A composite transport can route each
 // peer's transfers to a different implementation, because nothing here names
-// a socket.
+// a socket. What goes on the wire (headers, their checks, progress records) is
+// the implementations' own business: transport/wire.h, included only by them.
 #pragma once
 
 #include <chrono>
@@ -36,25 +37,6 @@ enum class OpKind : uint8_t {
 
 const char* opKindName(OpKind kind);
 
-// Sent before every message. The receiver checks every field against what its
-// own op expects, so collectives that differ across ranks fail loudly instead
-// of corrupting data or hanging.
-struct WireHeader {
-  uint32_t magic;
-  uint8_t kind;      // OpKind
-  uint8_t dtype;     // c10::ScalarType
-  uint8_t reduceOp;  // c10d::ReduceOp::RedOpType, kNoReduceOp when none
-  uint8_t reserved;
-  int32_t root;      // the op's root rank (broadcast, reduce, gather, scatter), kNoRoot if none
-  uint32_t reserved2;
-  uint64_t seq;      // collective sequence number (p2p: per-pair message index)
-  uint64_t total;    // op-wide element count both sides must agree on, kUnchecked if none
-  uint64_t step;     // ring step / chunk index (p2p: the tag); kAckStep for an acknowledgement
-  uint64_t bytes;    // payload bytes that follow
-};
-static_assert(sizeof(WireHeader) == 48, "WireHeader must stay 48 bytes");
-
-constexpr uint32_t kWireMagic = 0x52524431;  // "RRD1"
 constexpr uint8_t kNoReduceOp = 0xff;
 constexpr uint64_t kUnchecked = ~uint64_t{0};
 constexpr int32_t kNoRoot = -1;
@@ -104,40 +86,6 @@ struct RecvSpec {
   // `bytes`): Comm::exchange hands that part over after exchange() returns.
   std::function<void(const char* src, size_t offset, size_t bytes)> consume;
 };
-
-// Human text for the first field of a received header that differs from what
-// this op and receive expect; empty when it matches.
-std::string headerMismatch(const OpInfo& op, const RecvSpec& spec, const WireHeader& h);
-
-// How far one message of an exchange has got (a transport's bookkeeping).
-struct SendProgress {
-  const SendSpec* spec;
-  WireHeader header;  // what this op stamps on the message (messageHeader)
-  size_t done = 0;    // bytes of header + payload handed over
-  size_t total() const { return sizeof(WireHeader) + spec->bytes; }
-};
-
-struct RecvProgress {
-  RecvSpec* spec;
-  WireHeader header{};
-  size_t headerDone = 0;
-  size_t dataDone = 0;
-  size_t handed = 0;  // payload bytes given to spec->consume (the rest are in data)
-  bool finished() const { return headerDone == sizeof(WireHeader) && dataDone == spec->bytes; }
-};
-
-// The header `op` stamps on the message of `send`.
-WireHeader messageHeader(const OpInfo& op, const SendSpec& send);
-
-// Fresh progress records for one exchange's sends (headers stamped) and receives.
-void startProgress(const OpInfo& op, std::vector<SendSpec>& sends, std::vector<RecvSpec>& recvs,
-                   std::vector<SendProgress>* sendProgress,
-                   std::vector<RecvProgress>* recvProgress);
-
-// When `op` timed out: the first transfer still open, as (peer, "timed out
-// after ... ms waiting to receive: got X of Y bytes ..."); peer -1 if none.
-std::pair<int, std::string> timeoutReport(const OpInfo& op, const std::vector<SendProgress>& sends,
-                                          const std::vector<RecvProgress>& recvs);
 
 // Completion of a point-to-point operation: sourceRank is the sender for
 // receives; error is null on success.

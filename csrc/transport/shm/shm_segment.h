@@ -20,6 +20,7 @@
 
 #include "transport/mesh.h"
 #include "transport/shared_buffers.h"
+#include "transport/wire.h"
 
 namespace ringreduce {
 namespace shm {

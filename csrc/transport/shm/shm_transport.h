@@ -32,6 +32,7 @@
 
 #include "transport/mesh.h"
 #include "transport/transport.h"
+#include "transport/wire.h"
 
 namespace ringreduce {
 namespace shm {

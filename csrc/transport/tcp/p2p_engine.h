@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "transport/transport.h"
+#include "transport/wire.h"
 
 namespace ringreduce {
 namespace tcp {

@@ -1,0 +1,82 @@
+// torch_ringreduce._C internals the tests and scripts read (names starting
+// with "_"): the tuner's choice and thresholds, the CPU budget's parsing, and
+// the ring arithmetic of the algorithms.
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "algorithms/algorithms.h"
+#include "algorithms/segments.h"
+#include "bindings/bindings.h"
+#include "transport/cpu_budget.h"
+#include "transport/shm/shm_transport.h"
+
+namespace py = pybind11;
+
+namespace ringreduce {
+
+void bindInternals(py::module_& m) {
+  m.def(
+      "_cgroup_cpu_limit",
+      [](const std::string& procCgroup, const std::string& mountRoot) {
+        return ringreduce::cgroupCpuLimit(procCgroup, mountRoot);
+      },
+      py::arg("proc_cgroup") = "/proc/self/cgroup", py::arg("mount_root") = "/sys/fs/cgroup",
+      "The CPUs the cgroup quota grants this process, rounded up (0: no quota), read as the "
+      "wait policy reads them; the arguments exist for the tests");
+  m.def(
+      "_cpu_list",
+      [](const std::string& list) {
+        return ringreduce::formatCpuList(ringreduce::parseCpuList(list));
+      },
+      py::arg("list"), "Testing only: a cpulist parsed and formatted again");
+
+  m.def(
+      "_choose_allreduce",
+      [](size_t bytes, int size, bool shared, const std::string& forced, int hosts) {
+        ringreduce::AllreduceAlgorithm f = ringreduce::AllreduceAlgorithm::kAuto;
+        TORCH_CHECK_VALUE(ringreduce::allreduceFromName(forced, &f),
+                          "not an all-reduce algorithm: '", forced, "'");
+        return std::string(
+            ringreduce::allreduceName(ringreduce::chooseAllreduce(bytes, size, shared, f, hosts)));
+      },
+      py::arg("bytes"), py::arg("size"), py::arg("shared"), py::arg("forced") = "auto",
+      py::arg("hosts") = 1,
+      "The all-reduce algorithm the backend runs for these arguments (tests and "
+      "scripts/_traffic_model.py)");
+
+  m.def(
+      "_tuning",
+      [](int localRanks) {
+        py::dict out;
+        out["direct_allreduce_bytes"] = ringreduce::kDirectAllreduceBytes;
+        out["direct_shared_2_bytes"] = ringreduce::kDirectShared2Bytes;
+        out["direct_shared_bytes"] = ringreduce::kDirectSharedBytes;
+        out["broadcast_shared_bytes"] = ringreduce::kBroadcastSharedBytes;
+        out["broadcast_shared_ranks"] = ringreduce::kBroadcastSharedRanks;
+        out["staging_bytes"] = ringreduce::shm::stagingBytesFor(localRanks);
+        return out;
+      },
+      py::arg("local_ranks") = 2,
+      "The thresholds of the algorithm choice (csrc/algorithms/tuning.h) and the staging "
+      "area's bytes for a host with `local_ranks` ranks, for scripts that predict what the "
+      "backend runs (scripts/_traffic_model.py)");
+
+  // Pure ring arithmetic, exposed for unit tests.
+  m.def("_even_block", [](size_t count, int parts, int i) {
+    auto b = ringreduce::evenBlock(count, parts, i);
+    return std::make_pair(b.offset, b.count);
+  });
+  m.def("_ring_blocks", [](int rank, int n, int step) {
+    return std::make_tuple(ringreduce::reduceScatterSendBlock(rank, n, step),
+                           ringreduce::reduceScatterRecvBlock(rank, n, step),
+                           ringreduce::allgatherSendBlock(rank, n, step),
+                           ringreduce::allgatherRecvBlock(rank, n, step));
+  });
+  m.def("_slice_of", [](size_t count, size_t sliceElems, size_t k) {
+    auto b = ringreduce::sliceOf(count, sliceElems, k);
+    return std::make_pair(b.offset, b.count);
+  });
+  m.def("_slice_count", &ringreduce::sliceCount);
+}
+
+}  // namespace ringreduce
