@@ -1,7 +1,7 @@
 """The report notebooks run headless, top to bottom, on small results made here.
 
 Small runs of the scripts (the training runs of test_training.py, a few rows of
-each benchmark) fill a results folder; scripts/run_notebooks.py executes every
+each benchmark) fill a results folder; scripts/tools/run_notebooks.py executes every
 notebook against it into a temporary folder (the checked-in notebooks are not
 touched), and each must show its figures. Skipped without nbformat, nbclient,
 ipykernel or matplotlib (`pip install nbformat nbclient ipykernel matplotlib`).

@@ -127,14 +127,14 @@ def test_commands_of_modules_and_of_files_from_before_the_package():
                  [os.path.join(ROOT, "scripts", "bench_collectives.py"), *bench],
                  ["/elsewhere/checkout/scripts/bench_collectives.py", *bench]):
         env = {"argv": argv, "launcher": "spawn"}
-        assert render_results.command(env, None, "bench_collectives.py") == (
+        assert render_results.command(env, None, "torch_ringreduce.bench") == (
             "python -m torch_ringreduce.bench --nproc 2", "recorded"), argv
     torchrun = ["/usr/bin/python3", "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     for script in (["-m", "scripts.training.ddp_cifar100"],
                    [os.path.join(ROOT, "scripts", "ddp_cifar100.py")]):
         env = {"argv": [*script, "--epochs", "3"], "launcher": "torchrun", "world_size": 2,
                "launcher_argv": [*torchrun, *script, "--epochs", "3"]}
-        assert render_results.command(env, None, "ddp_cifar100.py")[0] == (
+        assert render_results.command(env, None, "scripts.training.ddp_cifar100")[0] == (
             "python -m torch.distributed.run --nproc_per_node 2 "
             "-m scripts.training.ddp_cifar100 --epochs 3"), script
 

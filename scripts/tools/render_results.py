@@ -125,9 +125,10 @@ def _today(argv):
     return out
 
 
-def _from_args(script, args):
-    """A command line rebuilt from argparse's recorded namespace (older files)."""
-    argv = ["python", *_today([f"scripts/{script}"])]
+def _from_args(module, args):
+    """A command line rebuilt from argparse's recorded namespace (older files): `python
+    -m module` and the flags."""
+    argv = ["python", "-m", module]
     for key, value in (args or {}).items():
         if key in ("nproc_given", "parts_dir", "print_header", "preset_exact", "part") or \
                 value in (None, False, "", []):
@@ -142,8 +143,9 @@ def _from_args(script, args):
     return argv
 
 
-def command(env, args, script):
-    """(the command line, how it is known). argv is what followed `python`: the
+def command(env, args, module):
+    """(the command line, how it is known; `module`: the entry point, for files that
+    recorded no argv). argv is what followed `python`: the
     script, or `-m module` (files written before scripts/ became a package: the
     script's path, shown as today's module)."""
     env = env or {}
@@ -160,7 +162,7 @@ def command(env, args, script):
         else:
             full = ["python", *argv]
         return shlex.join(_short_path(a) for a in full), "recorded"
-    rebuilt = _from_args(script, args)
+    rebuilt = _from_args(module, args)
     return shlex.join(_short_path(a) for a in rebuilt), "rebuilt from the recorded arguments"
 
 
@@ -201,12 +203,12 @@ def load_line(envs):
         " at the start"
 
 
-def setup(docs, script, what=None):
+def setup(docs, module, what=None):
     """The command, machine, setup and date lines of one table (or of several runs)."""
     envs = [d["_env"] for d in docs]
     lines = []
     for d in docs:
-        cmd, how = command(d["_env"], d.get("args") or d.get("config"), script)
+        cmd, how = command(d["_env"], d.get("args") or d.get("config"), module)
         if len(docs) == 1:
             lines += [f"Command ({how} in `{d['_file']}`):", "", "```bash", cmd, "```", ""]
         else:
@@ -248,7 +250,7 @@ def render_collectives(docs):
         busy = (env.get("busy") or {}).get("burners")
         out += [f"### {env.get('world_size')} ranks, {', '.join(backends)}"
                 + (f", {busy} cores busy" if busy else "") + f" (`{d['_file']}`)", ""]
-        out += setup([d], "bench_collectives.py",
+        out += setup([d], "torch_ringreduce.bench",
                      f"{d['args'].get('dtype')}, {d['args'].get('device')}")
 
         def time_of(op, b, s):
@@ -331,7 +333,7 @@ def render_course(docs):
         a, rows = d["args"], d["rows"]
         backends = a.get("backends") or sorted({r["backend"] for r in rows})
         out += [f"### {', '.join(backends)}, {a.get('device')} (`{d['_file']}`)", ""]
-        out += setup([d], "bench_collectives.py",
+        out += setup([d], "torch_ringreduce.bench",
                      f"workers {', '.join(map(str, d['_env'].get('world_size') or []))}; "
                      f"{a.get('repeats')} calls after {a.get('warmup')} warm-up, "
                      f"{a.get('dtype')}")
@@ -375,7 +377,7 @@ def render_syncbn(docs):
         base = "local_bn_allreduce" if a.get("device") == "cpu" else "nn_sync"
         out += [f"### {a.get('backend')}, {a.get('device')} (`{d['_file']}`)", ""]
         ranks = ", ".join(str(r["environment"].get("world_size")) for r in d["runs"])
-        out += setup([d], "bench_syncbn.py",
+        out += setup([d], "scripts.benchmarks.bench_syncbn",
                      f"ranks {ranks}"
                      f"; {a.get('warmup')} warm-up, {a.get('iters')} iterations x "
                      f"{a.get('repeats')} repeats")
@@ -414,7 +416,7 @@ def render_study(docs):
         a, rows = d["args"], d["rows"]
         methods = a.get("methods") or sorted({r["method"] for r in rows})
         out += [f"### {', '.join(methods)} (`{d['_file']}`)", ""]
-        out += setup([d], "bench_allreduce_study.py",
+        out += setup([d], "scripts.studies.bench_allreduce_study",
                      f"workers {', '.join(map(str, a.get('workers') or []))}; references "
                      f"over {a.get('p2p_backend')}; {a.get('repeats')} repeats after "
                      f"{a.get('warmup')} warm-up")
@@ -458,7 +460,7 @@ def render_variants(docs):
         c = d["config"]
         m = c["model"]
         out += [f"### {d.get('label', '')} (`{d['_file']}`)", ""]
-        out += setup([d], "bench_ddp_variants.py",
+        out += setup([d], "scripts.studies.bench_ddp_variants",
                      f"{m['layers']} layers x d_model {m['d_model']}, {m['parameters']:,} "
                      f"parameters ({m['parameter_bytes'] / MIB:.1f} MiB of gradients); "
                      f"{c['warmup']} warm-up + {c['steps']} measured steps")
@@ -506,7 +508,7 @@ def render_paradigms(docs):
     for d in docs:
         c, data, model = d["config"], d["data"], d["model"]
         out += [f"### {d.get('label', '')} (`{d['_file']}`)", ""]
-        out += setup([d], "paradigms.py",
+        out += setup([d], "scripts.studies.paradigms",
                      f"{d['_env'].get('world_size')} ranks; {data['dataset']} "
                      f"({data['train_size']} / {data['test_size']}), {model['name']} with "
                      f"{model['parameters']:,} parameters; {c['epochs']} epochs, "
@@ -549,7 +551,7 @@ def render_training(docs):
                 "prototypes plus noise; CIFAR-100 was not in `--data-dir`): their accuracies "
                 "say nothing about CIFAR-100, only that the configurations agree.", ""]
     first = docs[0]
-    out += setup(docs, "ddp_cifar100.py",
+    out += setup(docs, "scripts.training.ddp_cifar100",
                  f"{first['_env'].get('world_size')} ranks; {first['args'].get('epochs')} "
                  f"epochs; model {first['model']['name']} width {first['model']['width']}, "
                  f"{first['model']['parameters']:,} parameters")
@@ -578,7 +580,7 @@ def render_train_backends(docs):
     for d in docs:
         a = d["args"]
         out += [f"### `{d['_file']}`", ""]
-        cmd, how = command(None, a, "bench_train_backends.py")
+        cmd, how = command(None, a, "scripts.benchmarks.bench_train_backends")
         out += [f"Command ({how}):", "", "```bash", cmd, "```", "",
                 "**Machine:** not recorded by bench_train_backends.py", "",
                 "**Date:** not recorded", ""]
