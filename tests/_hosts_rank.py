@@ -1,10 +1,11 @@
 """One rank of the multi-host tests (tests/test_hierarchical.py), run inside a
-network namespace (scripts/_netns.py). Runs every case in one process and
+network namespace (scripts/benchmarks/_netns.py). Runs every case in one process and
 prints one JSON line: the transport, and a list of failures (empty when every
 result matched its oracle: gloo in the same processes, or a closed form in
 fp64 from every rank's inputs, which each rank regenerates from seeds).
 
-    python tests/_hosts_rank.py cases|fault   (RANK, WORLD_SIZE, MASTER_* set)
+    python tests/_hosts_rank.py cases|fault   (RANK, WORLD_SIZE, MASTER_* set; the
+                                              repository root on PYTHONPATH)
 """
 import json
 import os
@@ -15,12 +16,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _outcomes import our_threads  # tests/, this file's folder
+from scripts.studies._traffic_model import allreduce_bytes
 from torch_ringreduce._compat import reduce_scatter_single
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "scripts"))
-from _outcomes import our_threads  # noqa: E402
-from _traffic_model import allreduce_bytes  # noqa: E402
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
        "product": dist.ReduceOp.PRODUCT}

@@ -1,32 +1,27 @@
-"""scripts/bench_launches.py: fresh launches of bench_collectives.py, the spread
-over them, and the wait summary a ringreduce table carries (what its ranks'
-waits did). Nothing here times anything: the numbers are checked to exist and
-to be consistent with the launches' own rows."""
+"""scripts/benchmarks/bench_launches.py: fresh launches of the collective benchmark
+(python -m torch_ringreduce.bench), the spread over them, and the wait summary a
+ringreduce table carries (what its ranks' waits did). Nothing here times anything:
+the numbers are checked to exist and to be consistent with the launches' own rows."""
 import json
-import os
 import statistics
 import subprocess
 import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-SCRIPT = os.path.join(ROOT, "scripts", "bench_launches.py")
+from scripts import module_env
+from scripts.benchmarks import bench_launches
+
 BENCH = ["--nproc", "2", "--backends", "ringreduce", "gloo", "--ops", "allreduce",
          "-b", "4K", "-e", "16K", "-f", "4", "--repeats", "2", "--target-time", "0.02"]
-
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import bench_launches  # noqa: E402
 
 
 def test_launches_and_their_spread(tmp_path):
     out = tmp_path / "launches.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, SCRIPT, "--launches", "2", "--json", str(out), "--",
-                           *BENCH], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=tmp_path)
+    env = module_env(OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "scripts.benchmarks.bench_launches",
+                           "--launches", "2", "--json", str(out), "--", *BENCH],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert len(doc["launches"]) == 2

@@ -1,4 +1,4 @@
-"""bench_collectives.py's optional mpi backend (_bench_mpi.py) and --busy (_bench_load.py).
+"""The benchmark's optional mpi backend (torch_ringreduce/bench/mpi.py) and --busy (load.py).
 
 The mpi runs need Open MPI's mpirun and mpi4py and are skipped, with the reason,
 where either is missing (CI has neither). Without them, the benchmark must still
@@ -20,15 +20,12 @@ import time
 
 import pytest
 
+from torch_ringreduce.bench import load as bl
+from torch_ringreduce.bench import mpi as bm
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SCRIPTS = os.path.join(ROOT, "scripts")
-BENCH = os.path.join(SCRIPTS, "bench_collectives.py")
 TIMEOUT_S = 240
-
-sys.path.insert(0, SCRIPTS)
-import _bench_load as bl  # noqa: E402
-import _bench_mpi as bm  # noqa: E402
 
 needs_mpi = pytest.mark.skipif(
     shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
@@ -49,9 +46,9 @@ def _bench(args, tmp_path, path=None):
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
     if path is not None:
         env["PATH"] = path
-    proc = subprocess.run([sys.executable, BENCH, *args, "--target-time", "0.05",
-                           "--json", str(out)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env=env)
+    proc = subprocess.run([sys.executable, "-m", "torch_ringreduce.bench", *args,
+                           "--target-time", "0.05", "--json", str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     text = f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
     doc = json.loads(out.read_text()) if out.exists() else None
     return proc.returncode, text, doc
@@ -154,11 +151,11 @@ def test_without_mpi_the_others_run_and_the_reason_shows(tmp_path):
 
 
 def test_relaunch_command():
-    cmd = bm.relaunch_command(4, ["--nproc", "4"], "bench.py")
+    cmd = bm.relaunch_command(4, ["--nproc", "4"], ["-m", "torch_ringreduce.bench"])
     assert cmd[0] == "mpirun" and cmd[cmd.index("-np") + 1] == "4"
     assert "--oversubscribe" in cmd and cmd[cmd.index("--bind-to") + 1] == "none"
     assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
-    assert cmd[-3:] == ["bench.py", "--nproc", "4"]
+    assert cmd[-5:] == [sys.executable, "-m", "torch_ringreduce.bench", "--nproc", "4"]
 
 
 # ---------------------------------------------------------------- --busy

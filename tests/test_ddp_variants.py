@@ -1,4 +1,4 @@
-"""scripts/bench_ddp_variants.py under torchrun: every gradient synchronisation strategy
+"""scripts/studies/bench_ddp_variants.py under torchrun: every gradient synchronisation strategy
 reaches the parameters of single-process SGD on the concatenated batch, and on
 ringreduce each rank moves exactly the bytes of our backend's closed forms.
 
@@ -12,21 +12,17 @@ The oracle is computed here, in this process, from the script's own model and
 data (build_model, make_batch): the same seed, the ranks' shards concatenated.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
-SCRIPT = os.path.join(SCRIPTS, "bench_ddp_variants.py")
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
+from scripts import module_env
+from scripts.studies import _ddp_model as lm
+from scripts.studies import _traffic_model as traffic_model
 
-import _ddp_model as lm  # noqa: E402
-import _traffic_model as traffic_model  # noqa: E402
+MODULE = "scripts.studies.bench_ddp_variants"
 
 NPROC = 3
 TIMEOUT_S = 180
@@ -43,10 +39,10 @@ def run(backend, tmp_path_factory):
     # Our DDP wrapper needs the extension; a gloo-only run (RR_TEST_BACKEND=gloo) skips it.
     ours = ["ringreduce_ddp"] if "ringreduce" in backend else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(NPROC), SCRIPT, *FLAGS, "--backends", backend, "--json", str(out),
+           str(NPROC), "-m", MODULE, *FLAGS, "--backends", backend, "--json", str(out),
            "--save-params", str(params), "--variants", "naive", "flat", "overlapped",
            "bucketed", "torch_ddp", *ours, "local"]
-    proc = subprocess.run(cmd, cwd=folder, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    proc = subprocess.run(cmd, cwd=folder, env=module_env(OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, (f"torchrun exited with {proc.returncode}\n--- stdout\n"
                                   f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")

@@ -1,7 +1,7 @@
-"""scripts/gpu_check.sh and its summary helper, scripts/_gpu_summary.py, without a GPU:
-the script parses and its quick mode stops at once where there is none; the
-summary reads real junit XML (of a small pytest run), a pytest -v log of a pass
-stopped at its time limit, and bench_collectives.py's JSON."""
+"""scripts/tools/gpu_check.sh and its summary helper, scripts/tools/_gpu_summary.py,
+without a GPU: the script parses and its quick mode stops at once where there is none;
+the summary reads real junit XML (of a small pytest run), a pytest -v log of a pass
+stopped at its time limit, and the collective benchmark's JSON."""
 import json
 import os
 import shutil
@@ -11,11 +11,10 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from scripts.tools import _gpu_summary as gs
 
-import _gpu_summary as gs  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "tools", "gpu_check.sh")
 
 VAR = "EXAMPLE_DEVICE_PATH"  # any name: the helper is told which one
 

@@ -1,5 +1,5 @@
 """Groups spread over several "hosts" (network namespaces joined by a bridge,
-scripts/_netns.py): shared memory among each host's ranks, TCP between hosts,
+scripts/benchmarks/_netns.py): shared memory among each host's ranks, TCP between hosts,
 the hierarchical all-reduce where every host runs as many ranks. Every
 collective is checked against gloo or an fp64 closed form, all-reduce results
 bitwise across ranks (tests/_hosts_rank.py). Needs root; skipped otherwise."""
@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from scripts.benchmarks import _netns
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import _netns  # noqa: E402
 
 
 def _free_port():
@@ -167,7 +167,7 @@ def test_choice_of_algorithm_on_several_hosts():
 def test_bench_hosts_runs_the_harness_on_namespace_hosts(tmp_path):
     out = tmp_path / "hosts.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "bench_hosts.py"), "--hosts", "2",
+        [sys.executable, "-m", "scripts.benchmarks.bench_hosts", "--hosts", "2",
          "--per-host", "2", "--", "--ops", "allreduce", "--backends", "ringreduce",
          "ringreduce:ring", "-b", "4K", "-e", "64K", "-f", "16", "--repeats", "1",
          "--json", str(out)],

@@ -333,13 +333,23 @@ def test_documented_install_in_fresh_venvs(tmp_path):
         names = subprocess.run([sys.executable, "-m", "zipfile", "-l", wheels[0]],
                                capture_output=True, text=True, check=True).stdout
         for member in ("torch_ringreduce/_build_info.py", "torch_ringreduce/_extension.py",
-                       "torch_ringreduce_autoload.py", "entry_points.txt"):
+                       "torch_ringreduce/bench/__main__.py", "torch_ringreduce_autoload.py",
+                       "entry_points.txt"):
             assert member in names, f"{member} is not in the wheel:\n{names}"
         assert len(re.findall(r"torch_ringreduce/_C\.\S+\.so", names)) == 1, names
         other = os.path.join(checkout, ".venv-wheel")
         assert os.path.isdir(other), "the wheel block's venv is expected at .venv-wheel"
         where = _all_reduce_in(other, str(outside))
         assert all("site-packages" in w for w in where), where
+        # The collective benchmark comes with the wheel: runs outside the checkout.
+        wheel_python = os.path.join(other, "bin", "python")
+        bench = subprocess.run([wheel_python, "-m", "torch_ringreduce.bench", "--nproc", "2",
+                                "--ops", "allreduce", "-b", "4K", "-e", "4K", "--repeats", "1",
+                                "--json", ""], cwd=str(outside),
+                               capture_output=True, text=True, timeout=300,
+                               env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        assert bench.returncode == 0, f"{bench.stdout}\n{bench.stderr[-4000:]}"
+        assert "# allreduce:" in bench.stdout and "wrong elements: 0" in bench.stdout, bench.stdout
     finally:
         print(f"\nfresh-venv install test: {time.monotonic() - started:.0f} s\n{trace}")
     shutil.rmtree(checkout, ignore_errors=True)  # two venvs of torch: 2 GB

@@ -1,4 +1,4 @@
-"""scripts/paradigms.py: centralised, serverless, parameter-server and federated SGD.
+"""scripts/studies/paradigms.py: centralised, serverless, parameter-server and federated SGD.
 
 The trainers run on live worlds of the backend under test (the `worlds` pool of
 conftest.py) with a tiny synthetic set, and are compared with single-process SGD
@@ -11,7 +11,6 @@ One small torchrun job of the script checks its JSON and table end to end.
 """
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
@@ -21,17 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
-SCRIPT = os.path.join(SCRIPTS, "paradigms.py")
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
+from scripts import module_env
+from scripts.studies import _paradigms_bytes as pbytes
+from scripts.studies import _paradigms_data as pdata
+from scripts.studies import _paradigms_train as ptrain
+from scripts.studies import _traffic_model as traffic_model
+from scripts.studies import paradigms
 
-import _paradigms_bytes as pbytes  # noqa: E402
-import _paradigms_data as pdata  # noqa: E402
-import _paradigms_train as ptrain  # noqa: E402
-import _traffic_model as traffic_model  # noqa: E402
-import paradigms  # noqa: E402
+MODULE = "scripts.studies.paradigms"
 
 TIMEOUT_S = 240
 # 240 samples -> 192 training; 2 epochs of 3 steps of 24; momentum and weight decay
@@ -296,11 +292,11 @@ def script_run(backend, tmp_path_factory):
     folder = tmp_path_factory.mktemp("paradigms")
     out = folder / "paradigms.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "3", SCRIPT, "--backend", backend, "--dataset", "synthetic", "--epochs", "2",
+           "3", "-m", MODULE, "--backend", backend, "--dataset", "synthetic", "--epochs", "2",
            "--max-steps", "3", "--rounds", "2", "--max-local-steps", "2", "--split", "iid",
            "shards", "--no-progress", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=module_env(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, (f"torchrun exited with {proc.returncode}\n--- stdout\n"
                                   f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text()), proc.stdout
@@ -339,11 +335,12 @@ def test_script_records_label_distributions(script_run):
 
 
 def _describe_run(tmp_path, *extra):
-    cmd = [sys.executable, SCRIPT, "--nproc", "3", "--dataset", "synthetic", "--samples", "100",
-           "--shards-per-client", "50", "--epochs", "1", "--max-steps", "2", "--rounds", "1",
-           "--max-local-steps", "1", "--no-progress", "--json", str(tmp_path / "p.json"), *extra]
+    cmd = [sys.executable, "-m", MODULE, "--nproc", "3", "--dataset", "synthetic",
+           "--samples", "100", "--shards-per-client", "50", "--epochs", "1", "--max-steps", "2",
+           "--rounds", "1", "--max-local-steps", "1", "--no-progress",
+           "--json", str(tmp_path / "p.json"), *extra]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=module_env(OMP_NUM_THREADS="1"))
 
 
 def test_a_split_no_run_trains_on_need_not_fit(tmp_path):

@@ -7,7 +7,6 @@ data. Every rank must also end with the same bits. The tree is also checked
 against gloo's all_reduce at world sizes that are not powers of two.
 """
 import json
-import os
 import subprocess
 import sys
 
@@ -15,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from scripts import module_env
 from torch_ringreduce.reference import (butterfly_allreduce_, chunk_bounds, ring_allreduce_,
                                         tree_allreduce_, tree_rounds)
 
-STUDY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     "scripts", "bench_allreduce_study.py")
+STUDY = "scripts.studies.bench_allreduce_study"
 SIZES = [1, 2, 3, 4]
 LENGTHS = [1, 7, 1000, 10001]
 ALGORITHMS = {"ring": ring_allreduce_, "butterfly": butterfly_allreduce_,
@@ -184,16 +183,16 @@ def test_reference_rejects_integer_tensors(fn):
 
 
 def test_study_script(backend, tmp_path):
-    """scripts/bench_allreduce_study.py end to end on a tiny configuration."""
+    """scripts/studies/bench_allreduce_study.py end to end on a tiny configuration."""
     out = tmp_path / "study.json"
     methods = ["ring", "butterfly", "tree", "gloo"] + \
         (["ringreduce"] if "ringreduce" in backend else [])
-    cmd = [sys.executable, STUDY, "--workers", "1", "3", "--sizes", "7", "1000",
+    cmd = [sys.executable, "-m", STUDY, "--workers", "1", "3", "--sizes", "7", "1000",
            "--repeats", "2", "--warmup", "1", "--methods", *methods,
            "--p2p-backend", "ringreduce" if "ringreduce" in backend else "gloo",
            "--json", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=module_env(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     doc = json.loads(out.read_text())
     rows = doc["rows"]

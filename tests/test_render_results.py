@@ -1,24 +1,21 @@
-"""scripts/render_results.py: the docs' results page from small made-up JSON files.
+"""scripts/tools/render_results.py: the docs' results page from small made-up JSON files.
 
 No distributed run: each kind of result gets a hand-made file with a few rows in a
 temporary folder, and the page must show their values, the command, machine and
 date of each table, and "not run" for the kinds with no file.
 """
-import importlib.util
 import json
 import os
 
 import pytest
 
+from scripts.tools import render_results
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC = importlib.util.spec_from_file_location(
-    "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
-render_results = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(render_results)
 
 
 def _env(world_size=2, **extra):
-    return {"argv": [os.path.join(ROOT, "scripts", "bench_collectives.py"), "--nproc", "2",
+    return {"argv": ["-m", "torch_ringreduce.bench", "--nproc", "2",
                      "--json", os.path.join(ROOT, "results", "bench_collectives_np2.json")],
             "launcher_argv": None, "launcher": "spawn", "cpu_model": "Test CPU 9000",
             "cpu_count": 8, "cpu_affinity": 4, "platform": "Linux-test", "python": "3.11.7",
@@ -95,7 +92,7 @@ def _section(page, title):
 def test_header_says_generated(page):
     assert page.startswith("# Measured results\n")
     assert "do not edit by hand" in page and "make report" in page
-    assert "python scripts/render_results.py" in page
+    assert "python -m scripts.tools.render_results" in page
 
 
 def test_collectives_table_values_and_ratio(page):
@@ -115,11 +112,31 @@ def test_every_table_has_command_machine_and_date(page):
         assert "**Machine:**" in text and "**Date:** 2030-01-02 03:04 UTC" in text, title
     text = _section(page, "Every collective against gloo")
     # The recorded argv, with the repository's paths relative to it.
-    assert "python scripts/bench_collectives.py --nproc 2 --json " \
+    assert "python -m torch_ringreduce.bench --nproc 2 --json " \
            "results/bench_collectives_np2.json" in text
     assert "Test CPU 9000, 8 CPUs (4 usable)" in text
     assert "torch 2.13.0+cpu" in text and "torch_ringreduce 0.1.0" in text
     assert ROOT not in page  # no absolute path of this checkout
+
+
+def test_commands_of_modules_and_of_files_from_before_the_package():
+    """A recorded `-m module` is shown as it ran; under torchrun, torchrun's own line. A
+    file written when scripts/ was flat (scripts/<name>.py) shows today's module."""
+    bench = ["--nproc", "2"]
+    for argv in (["-m", "torch_ringreduce.bench", *bench],
+                 [os.path.join(ROOT, "scripts", "bench_collectives.py"), *bench],
+                 ["/elsewhere/checkout/scripts/bench_collectives.py", *bench]):
+        env = {"argv": argv, "launcher": "spawn"}
+        assert render_results.command(env, None, "torch_ringreduce.bench") == (
+            "python -m torch_ringreduce.bench --nproc 2", "recorded"), argv
+    torchrun = ["/usr/bin/python3", "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    for script in (["-m", "scripts.training.ddp_cifar100"],
+                   [os.path.join(ROOT, "scripts", "ddp_cifar100.py")]):
+        env = {"argv": [*script, "--epochs", "3"], "launcher": "torchrun", "world_size": 2,
+               "launcher_argv": [*torchrun, *script, "--epochs", "3"]}
+        assert render_results.command(env, None, "scripts.training.ddp_cifar100")[0] == (
+            "python -m torch.distributed.run --nproc_per_node 2 "
+            "-m scripts.training.ddp_cifar100 --epochs 3"), script
 
 
 def test_course_table_rows_and_skips(page):
@@ -131,7 +148,7 @@ def test_course_table_rows_and_skips(page):
 def test_training_rebuilt_command_and_synthetic_flag(page):
     text = _section(page, "Training with SyncBN: our DDP against PyTorch's")
     assert "rebuilt from the recorded arguments" in text
-    assert "python scripts/ddp_cifar100.py --backend ringreduce --ddp ours --epochs 3 " \
+    assert "python -m scripts.training.ddp_cifar100 --backend ringreduce --ddp ours --epochs 3 " \
            "--no-progress" in text
     assert "Train CPU 42" in text  # the CPU model from the ranks' device names
     assert "SYNTHETIC" in text and "99.95%" in text and "1,894" in text

@@ -1,10 +1,10 @@
-"""scripts/sequential_print.py under torchrun prints in exactly barrier order."""
-import os
+"""scripts/studies/sequential_print.py under torchrun prints in exactly barrier order."""
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(os.path.dirname(HERE), "scripts", "sequential_print.py")
+from scripts import module_env
+
+MODULE = "scripts.studies.sequential_print"
 NPROC = 4
 ITERS = 2
 TIMEOUT_S = 180
@@ -30,9 +30,9 @@ def test_sequential_print_under_torchrun(backend, tmp_path):
     # No --tee/--redirects: every rank writes straight to the shared stdout,
     # and torchrun's own log lines go to stderr.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(NPROC), SCRIPT, "--iters", str(ITERS),
+           "--nproc_per_node", str(NPROC), "-m", MODULE, "--iters", str(ITERS),
            "--backend", backend]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = module_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     report = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-4000:]}"

@@ -171,16 +171,17 @@ def test_a_survivor_that_does_not_shrink_is_named(bare_worlds):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINING = "scripts.training.shrink_training"  # python -m, the root on PYTHONPATH
 
 
 @pytest.mark.parametrize("ddp", ["ours", "torch"])
 def test_training_goes_on_after_a_rank_is_killed(tmp_path, ddp):
-    """scripts/shrink_training.py: 3 ranks, one SIGKILLed mid-step; the two others
+    """scripts/training/shrink_training.py: 3 ranks, one SIGKILLed mid-step; the two others
     shrink, finish every step, and end with equal parameters."""
     out = tmp_path / "shrink.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "shrink_training.py"), "--nproc", "3",
-         "--ddp", ddp, "--steps", "16", "--kill-step", "7", "--victim", "1", "--json", str(out)],
+        [sys.executable, "-m", TRAINING, "--nproc", "3", "--ddp", ddp, "--steps", "16",
+         "--kill-step", "7", "--victim", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=180,
         env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
@@ -196,9 +197,8 @@ def test_the_torchrun_restart_baseline_resumes_from_its_checkpoint(tmp_path):
     dies, and they finish the job from the checkpoint."""
     out = tmp_path / "baseline.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "shrink_training.py"), "--nproc", "2",
-         "--steps", "8", "--kill-step", "4", "--victim", "1", "--baseline", "torchrun-gloo",
-         "--json", str(out)],
+        [sys.executable, "-m", TRAINING, "--nproc", "2", "--steps", "8", "--kill-step", "4",
+         "--victim", "1", "--baseline", "torchrun-gloo", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
@@ -275,7 +275,7 @@ def test_shrink_after_a_rank_is_stopped_mid_op(tmp_path, backend):
 @pytest.mark.skipif(os.environ.get("RR_SOAK") != "1", reason="soak test: set RR_SOAK=1 to run it")
 def test_soak_training_goes_on_after_random_kills(tmp_path):
     """Off by default (RR_SOAK=1; RR_SOAK_ROUNDS, RR_SOAK_SEED as in test_soak.py):
-    rounds of scripts/shrink_training.py at 2-8 ranks, either DDP, a random victim
+    rounds of scripts/training/shrink_training.py at 2-8 ranks, either DDP, a random victim
     and step; every round ends with equal parameters on every survivor, and the
     shrunk group's first step within 2 s of the failure."""
     import random
@@ -287,9 +287,8 @@ def test_soak_training_goes_on_after_random_kills(tmp_path):
     for round_ in range(rounds):
         nproc, ddp = pick.randint(2, 8), pick.choice(["ours", "torch"])
         out = tmp_path / f"round{round_}.json"
-        argv = [sys.executable, os.path.join(ROOT, "scripts", "shrink_training.py"),
-                "--nproc", str(nproc), "--ddp", ddp, "--steps", "20",
-                "--seed", str(pick.randrange(10**6)), "--json", str(out)]
+        argv = [sys.executable, "-m", TRAINING, "--nproc", str(nproc), "--ddp", ddp,
+                "--steps", "20", "--seed", str(pick.randrange(10**6)), "--json", str(out)]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                               env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, f"round {round_}: {argv}\n{proc.stderr[-4000:]}"

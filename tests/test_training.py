@@ -1,4 +1,4 @@
-"""scripts/ddp_cifar100.py under torchrun: gradient all-reduce counts with gradient
+"""scripts/training/ddp_cifar100.py under torchrun: gradient all-reduce counts with gradient
 accumulation, distributed validation against a single-process evaluation, data.
 
 Two 2-rank runs (--ddp ours, --ddp torch; --sync-bn ours, --grad-accum-steps 2) on
@@ -16,14 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
-SCRIPT = os.path.join(SCRIPTS, "ddp_cifar100.py")
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
+from scripts import module_env
+from scripts.training import _cifar100 as cifar
+from scripts.training import ddp_cifar100
 
-import _cifar100 as cifar  # noqa: E402
-import ddp_cifar100  # noqa: E402
 
 NPROC = 2
 EPOCHS = 2
@@ -45,9 +41,9 @@ def run_training(ddp, backend, folder):
         out = os.path.join(folder, f"train_{backend}_ddp-{ddp}.json")
         ckpt = os.path.join(folder, f"model_{ddp}.pt")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(NPROC), SCRIPT, *COMMON, "--backend", backend,
-               "--ddp", ddp, "--json", out, "--save-checkpoint", ckpt]
-        proc = subprocess.run(cmd, cwd=folder, env=dict(os.environ, OMP_NUM_THREADS="1"),
+               "--nproc_per_node", str(NPROC), "-m", ddp_cifar100.__name__, *COMMON,
+               "--backend", backend, "--ddp", ddp, "--json", out, "--save-checkpoint", ckpt]
+        proc = subprocess.run(cmd, cwd=folder, env=module_env(OMP_NUM_THREADS="1"),
                               capture_output=True, text=True, timeout=TIMEOUT_S)
         assert proc.returncode == 0, (f"torchrun exited with {proc.returncode}\n--- stdout\n"
                                       f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}")
@@ -200,7 +196,7 @@ def test_bench_train_keeps_a_run_that_died_only_at_exit(monkeypatch, tmp_path, c
     """A rank that dies after rank 0 wrote the results (gloo's exit-time
     abort) keeps the figure and is reported; a run that wrote nothing stops
     the benchmark; a stale result from an earlier repeat never counts."""
-    import bench_train_backends as btb
+    from scripts.benchmarks import bench_train_backends as btb
 
     abort = "terminate called without an active exception\nexitcode  : -6 (pid: 1)"
     monkeypatch.setattr(btb.subprocess, "run", _fake_torchrun(0, True))

@@ -14,8 +14,8 @@ How it works (the same design as torch's DDP reducer, in Python):
 
 - Buckets: the parameters that require grad, in reverse registration order
   (roughly the order backward produces their gradients), are grouped by dtype
-  and device into flat buffers of about `bucket_cap_mb` MiB. Each bucket holds
-  the gradients and, after them, one "used" flag per parameter.
+  and device into flat buffers of about `bucket_cap_mb` MiB (`plan_buckets`). Each
+  bucket holds the gradients and, after them, one "used" flag per parameter.
 - Overlap: a post-accumulate-grad hook on each parameter copies its gradient
   into its bucket and marks it ready; when every parameter of a bucket is
   ready, the bucket (and any ready buckets after it, always in index order so
@@ -64,13 +64,38 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "plan_buckets"]
 
 _MIB = 1 << 20
 # What a forward's output may hold, flattened, for its graph walk to be
 # trusted: anything else may hide tensors the loss uses.
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, complex, str, bytes, type(None))
 _UNKNOWN = object()  # a forward's outputs held something the walk cannot see
+
+
+def plan_buckets(params, cap_bytes):
+    """The gradient buckets of `params` (given in registration order), in launch order:
+    lists of parameters in reverse registration order (about the order backward
+    produces their gradients), one dtype and device each, cut where the next
+    parameter would take a bucket past `cap_bytes`; a larger parameter gets a
+    bucket of its own. Buckets launch in the order of their first parameter (the
+    first one backward reaches), the same on every rank.
+
+    The one planner of the repository: DistributedDataParallel's buckets and the
+    DDP-variants study's (scripts/studies/_ddp_sync.py)."""
+    params = list(reversed(list(params)))
+    planned, open_buckets = [], {}
+    for p in params:
+        members, size = open_buckets.get((p.dtype, p.device), ([], 0))
+        nbytes = p.numel() * p.element_size()
+        if members and size + nbytes > cap_bytes:
+            planned.append(members)
+            members, size = [], 0
+        open_buckets[(p.dtype, p.device)] = (members + [p], size + nbytes)
+    planned.extend(members for members, _ in open_buckets.values())
+    position = {id(p): i for i, p in enumerate(params)}
+    planned.sort(key=lambda members: position[id(members[0])])
+    return planned
 
 
 class _Bucket:
@@ -228,22 +253,9 @@ class DistributedDataParallel(nn.Module):
                     t.copy_(value)
 
     def _build_buckets(self):
-        """Reverse registration order, split by dtype/device and at the size cap."""
-        params = list(reversed([p for p in self.module.parameters() if p.requires_grad]))
-        planned, open_buckets = [], {}
-        for p in params:
-            members, size = open_buckets.get((p.dtype, p.device), ([], 0))
-            nbytes = p.numel() * p.element_size()
-            if members and size + nbytes > self.bucket_cap_bytes:
-                planned.append(members)
-                members, size = [], 0
-            open_buckets[(p.dtype, p.device)] = (members + [p], size + nbytes)
-        planned.extend(members for members, _ in open_buckets.values())
-        # Launch order: by each bucket's first parameter (the first one backward
-        # reaches), the same on every rank.
-        position = {id(p): i for i, p in enumerate(params)}
-        planned.sort(key=lambda members: position[id(members[0])])
-        for index, members in enumerate(planned):
+        """plan_buckets: reverse registration order, split by dtype/device and at the cap."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for index, members in enumerate(plan_buckets(params, self.bucket_cap_bytes)):
             bucket = _Bucket(index, members)
             self._buckets.append(bucket)
             for slot, p in enumerate(members):

@@ -3,7 +3,7 @@
 All three functions average a floating-point tensor in place across the ranks of a
 group: on return every rank holds sum_over_ranks(tensor) / world_size, and the
 results are bitwise identical on all ranks. They are references to read and to
-compare with (`scripts/bench_allreduce_study.py`), not fast paths: every step
+compare with (`scripts/studies/bench_allreduce_study.py`), not fast paths: every step
 is a Python-level isend/irecv pair on whatever backend the group uses.
 
 Notation below: n ranks, L elements of s bytes each, so the vector has L*s

@@ -1,0 +1,149 @@
+"""Run torch_ringreduce.bench several times, each a fresh launch, and report
+the spread over launches: a slow mode that lasts a whole process shows up as
+one launch's row far above the others, where the repeats inside one launch
+would all share it.
+
+    python -m scripts.benchmarks.bench_launches --launches 12 -- \\
+        --nproc 2 --backends ringreduce mpi gloo --ops allreduce -b 4K -e 64M -f 4
+
+Everything after `--` goes to torch_ringreduce.bench as it is (not --json);
+every other launch reverses --backends' order, so no backend always goes
+first. Per op, backend and size it prints the min / median / max of the
+per-launch times (each launch's row is the median of its repeats, as
+torch_ringreduce.bench reports it) and the slowest launch's time over the
+median (the spread); for ringreduce, the wait summary of the slowest launch
+(what its ranks' waits did: spun, yielded, slept, migrations, CPUs) beside
+the median launch's. --json writes every launch's rows and the summary.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from scripts import module_env
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--launches", type=int, default=12, help="fresh launches (default 12)")
+    parser.add_argument("--json", help="write every launch's rows and the summary here")
+    parser.add_argument("bench", nargs=argparse.REMAINDER,
+                        help="-- then torch_ringreduce.bench's arguments")
+    args = parser.parse_args(argv)
+    if args.bench and args.bench[0] == "--":
+        args.bench = args.bench[1:]
+    if "--json" in args.bench:
+        parser.error("give --json before --, for this script")
+    if args.launches < 2:
+        parser.error("--launches must be at least 2")
+    return args
+
+
+def reversed_backends(argv):
+    """argv with the list after --backends in the other order."""
+    if "--backends" not in argv:
+        return list(argv)
+    at = argv.index("--backends") + 1
+    end = at
+    while end < len(argv) and not argv[end].startswith("-"):
+        end += 1
+    return argv[:at] + argv[at:end][::-1] + argv[end:]
+
+
+def launch(argv, path):
+    cmd = [sys.executable, "-m", "torch_ringreduce.bench", *argv, "--json", path]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=module_env())
+    if proc.returncode not in (0, 2) or not os.path.exists(path):
+        raise SystemExit(f"torch_ringreduce.bench exited with {proc.returncode}:\n"
+                         f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def spread(docs):
+    """{(op, backend, size): [time_us per launch]} and the waits per launch."""
+    times = {}
+    for doc in docs:
+        for row in doc["rows"]:
+            if row["time_us"] is not None:
+                key = (row["op"], row["backend"], row["size_bytes"])
+                times.setdefault(key, []).append(row["time_us"])
+    return times
+
+
+def summarize(docs):
+    times = spread(docs)
+    out = []
+    for (op, backend, size), ts in sorted(times.items()):
+        med = statistics.median(ts)
+        slowest = max(range(len(ts)), key=ts.__getitem__)
+        out.append({"op": op, "backend": backend, "size_bytes": size, "launches": len(ts),
+                    "min_us": min(ts), "median_us": med, "max_us": max(ts),
+                    "max_over_median": max(ts) / med if med else None,
+                    "slowest_launch": slowest, "time_us_by_launch": ts})
+    return out
+
+
+def print_table(rows, docs):
+    ops = sorted({r["op"] for r in rows})
+    for op in ops:
+        mine = [r for r in rows if r["op"] == op]
+        backends = list(dict.fromkeys(r["backend"] for r in mine))
+        print(f"\n# {op}: min / median / max of the per-launch times (us) over "
+              f"{len(docs)} launches; max/median")
+        print(f"# {'size':>10}  " + "  ".join(f"{b:>34}" for b in backends))
+        for size in sorted({r["size_bytes"] for r in mine}):
+            cells = []
+            for b in backends:
+                r = next((x for x in mine if x["backend"] == b and x["size_bytes"] == size), None)
+                cells.append(f"{'n/a':>34}" if r is None else
+                             f"{r['min_us']:>9.1f} /{r['median_us']:>9.1f} /{r['max_us']:>9.1f}"
+                             f" {r['max_over_median']:>4.2f}x")
+            print(f"  {size:>10}  " + "  ".join(cells))
+        for b in backends:
+            if not b.startswith("ringreduce"):
+                continue
+            worst = max((x for x in mine if x["backend"] == b), key=lambda x: x["max_over_median"])
+            by_time = sorted(range(len(docs)), key=lambda i: worst["time_us_by_launch"][i]
+                             if i < len(worst["time_us_by_launch"]) else 0)
+            median_launch = by_time[len(by_time) // 2]
+            for label, i in (("slowest", worst["slowest_launch"]), ("median", median_launch)):
+                w = docs[i].get("waits", {}).get(op, {}).get(b)
+                if w:
+                    print(f"# {b} {label} launch ({i}) at {worst['size_bytes']} B: "
+                          f"{w['spun']} spun, {w['yielded']} yielded, {w['slept']} slept, "
+                          f"{w['migrations']} migrations, "
+                          f"{w.get('involuntary_switches', '?')} preemptions, "
+                          f"{w.get('minor_faults', '?')} page faults, "
+                          f"CPUs by rank {w['cpus_by_rank']}, "
+                          f"runnable threads {w['runnable_threads']}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    docs = []
+    with tempfile.TemporaryDirectory(prefix="bench_launches_") as tmp:
+        for i in range(args.launches):
+            argv_i = args.bench if i % 2 == 0 else reversed_backends(args.bench)
+            started = time.monotonic()
+            docs.append(launch(argv_i, os.path.join(tmp, f"launch{i}.json")))
+            print(f"# launch {i + 1}/{args.launches} in {time.monotonic() - started:.1f} s",
+                  file=sys.stderr, flush=True)
+    rows = summarize(docs)
+    print_table(rows, docs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench_args": args.bench, "launches": docs, "summary": rows}, f, indent=1,
+                      default=str)
+        print(f"# results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

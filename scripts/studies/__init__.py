@@ -1,0 +1,2 @@
+"""The data-parallel studies of ML-systems courses (docs/studies.md): tree against ring,
+DDP variants, training paradigms, ordered printing."""

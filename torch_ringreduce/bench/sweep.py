@@ -1,0 +1,356 @@
+"""The sweep of the collective benchmark: per op and size, each backend's timed
+loops alternating with the others', the closed-form check, the nccl-tests-style
+table, the wait summary and the JSON. The command line is cli.py
+(python -m torch_ringreduce.bench); the course table (course.py) reuses the
+measuring and the groups from here.
+"""
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from torch_ringreduce.bench import harness as bu
+from torch_ringreduce.bench import load as bl
+from torch_ringreduce.bench import mpi as bm
+from torch_ringreduce.bench.ops import OPS, Ctx
+
+RATIO_W = 16
+
+
+# ------------------------------------------------------------ measuring
+
+def timed_loop(op, group, iters):
+    """Seconds per iteration on the slowest rank (a collective result)."""
+    call = bu.bind(op, group)
+    dist.barrier()  # default group: gloo, control traffic only
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    bu.synchronize(op.ctx.device)
+    return bu.agree_max((time.perf_counter() - start) / iters)
+
+
+def plan(op, group, args):
+    """Warm up; pick the iterations per repeat (all ranks agree). -> (iters, warmup)."""
+    op.fill_timing()
+    if args.iters:
+        if args.warmup:
+            timed_loop(op, group, args.warmup)
+        return args.iters, args.warmup
+    first = max(timed_loop(op, group, 1), 1e-9)
+    more = min(max(args.warmup or 5, 1) - 1, int(0.25 * args.target_time / first))
+    estimate = timed_loop(op, group, more) if more > 0 else first
+    fewest = -(-args.min_iters // args.repeats)  # min_iters over all repeats together
+    budget = args.target_time / args.repeats
+    return max(fewest, min(args.max_iters, int(budget / estimate))), 1 + more
+
+
+def check(op, group, enabled):
+    """Wrong elements over all ranks after one op on fresh inputs, or None."""
+    if not enabled:
+        return None
+    op.fill_check()
+    bu.bind(op, group)()
+    bu.synchronize(op.ctx.device)
+    return int(bu.agree_sum(op.wrong()))
+
+
+def base_row(op_name, ctx, count, backend, args):
+    return {"op": op_name, "backend": backend, "size_bytes": count * ctx.dtype.itemsize,
+            "count": count, "dtype": args.dtype, "world_size": ctx.n,
+            "redop": ctx.redop, "root": ctx.root, "device": args.device,
+            "time_us": None, "algbw_GBps": None, "busbw_GBps": None, "wrong": None,
+            "error": None}
+
+
+def attempt(row, fn, *fn_args):
+    """fn(*fn_args); on an exception record it in row and return None.
+
+    A backend that lacks an op must not end the sweep. Once a row has an
+    error, later attempts on it do nothing.
+    """
+    if row["error"]:
+        return None
+    try:
+        return fn(*fn_args)
+    except Exception as err:
+        row["error"] = bu.short_error(err)
+        return None
+
+
+def measure_size(op_name, op, groups, failed, args, checker=check, ops=None):
+    """One row per backend for one size.
+
+    Each backend warms up, then the timed repeats alternate between backends
+    (in turned order every other repeat), so a burst of noise from the machine
+    hits one repeat of one backend, not a whole backend; the row reports the
+    median repeat. Then each backend is checked on fresh inputs. `ops` gives a
+    backend its own op of the same size (the one-rank floor's), else it runs `op`.
+    """
+    op_of = {b: (ops or {}).get(b, op) for b in groups}
+    rows = {b: base_row(op_name, op_of[b].ctx, op_of[b].count, b, args) for b in groups}
+    for b in failed:
+        rows[b]["error"] = "skipped: raised at a smaller size"
+    plans = {b: attempt(rows[b], plan, op_of[b], g, args) for b, g in groups.items()}
+    reps = {b: [] for b in groups}
+    for rep in range(args.repeats):
+        for b in list(groups)[::1 if rep % 2 == 0 else -1]:
+            if plans[b]:
+                reps[b].append(attempt(rows[b], timed_loop, op_of[b], groups[b], plans[b][0]))
+    for b, group in groups.items():
+        wrong = attempt(rows[b], checker, op_of[b], group, not args.no_check)
+        if not rows[b]["error"]:
+            fill_row(rows[b], op_of[b], reps[b], plans[b], wrong)
+    return list(rows.values())
+
+
+def fill_row(row, op, reps, plan_, wrong):
+    seconds = statistics.median(reps)
+    algbw = row["size_bytes"] / seconds / 1e9
+    row.update(time_us=seconds * 1e6, algbw_GBps=algbw, busbw_GBps=algbw * op.bus_factor(),
+               wrong=wrong, iters=plan_[0], warmup=plan_[1],
+               time_us_repeats=[t * 1e6 for t in reps])
+
+
+# ------------------------------------------------------------ groups
+
+def new_group(name, timeout):
+    """A group of backend `name`: "gloo", "ringreduce", or
+    "ringreduce:<algorithm>[@<size>][+<stores>]": an all-reduce algorithm
+    (RINGREDUCE_ALLREDUCE while the group is created; "auto" the backend's
+    choice), the two-step all-reduce's staging areas (e.g. @256K), and how its
+    shared-memory rings are written (+plain or +streaming stores; by default
+    each rank measures which is faster, per op and size, when the host's ranks
+    fit the CPUs they may use, and takes plain stores when they do not)."""
+    backend, _, spec = name.partition(":")
+    if not spec:
+        return dist.new_group(backend=backend, timeout=timeout)
+    spec, _, stores = spec.partition("+")
+    algorithm, _, staging = spec.partition("@")
+    if stores not in RING_STORES:
+        raise ValueError(f"{name}: ring stores must be one of {sorted(RING_STORES)[1:]}")
+    from torch_ringreduce import _C
+
+    saved = os.environ.get("RINGREDUCE_ALLREDUCE")
+    os.environ["RINGREDUCE_ALLREDUCE"] = algorithm or "auto"
+    old = _C._testing.shm_staging_bytes(bu.parse_size(staging) if staging else 0)
+    old_stores = _C._testing.shm_ring_stores(RING_STORES[stores])
+    try:
+        return dist.new_group(backend=backend, timeout=timeout)
+    finally:
+        _C._testing.shm_ring_stores(old_stores)
+        _C._testing.shm_staging_bytes(old)
+        if saved is None:
+            del os.environ["RINGREDUCE_ALLREDUCE"]
+        else:
+            os.environ["RINGREDUCE_ALLREDUCE"] = saved
+
+
+RING_STORES = {"": -1, "plain": 0, "streaming": 1}
+
+
+def create_groups(backends, ctx, args, hint):
+    """{backend: group} for the backends that work on every rank; report the others."""
+    groups, errors = {}, {}
+    timeout = datetime.timedelta(seconds=args.timeout)
+    for name in backends:
+        try:
+            probe = torch.ones(1, device=ctx.device)
+            if name == bm.NAME:
+                group = bm.new_group(ctx)
+                group.probe(probe)
+            else:
+                group = new_group(name, timeout)
+                dist.all_reduce(probe, group=group)
+            if probe.item() != ctx.n:
+                raise RuntimeError(f"probe all_reduce gave {probe.item()}, expected {ctx.n}")
+            groups[name] = group
+        except Exception as err:
+            errors[name] = bu.short_error(err)
+    every = [None] * ctx.n
+    dist.all_gather_object(every, errors)
+    failed = {}
+    for rank, errs in enumerate(every):
+        for name, text in errs.items():
+            failed.setdefault(name, f"rank {rank}: {text}")
+    for name, text in failed.items():
+        groups.pop(name, None)
+        extra = ""
+        if name.startswith("ringreduce"):
+            extra = f" ({hint + '; ' if hint else 'is the extension built? '}`make build`)"
+        log(ctx, f"# backend {name!r} could not create a group and is skipped{extra}\n#   {text}")
+    return groups, failed
+
+
+def log(ctx, line):
+    if ctx.rank == 0:
+        print(line, flush=True)
+
+
+# ------------------------------------------------------------ output
+
+def table_header(op_name, ctx, backends, args):
+    head = f"{'size':>12} {'count':>11} {'type':>8}"
+    group = f"{'time_us':>11} {'algbw':>7} {'busbw':>7} {'#wrong':>7}"
+    ratios = [f"{backends[0]}/{b}" for b in backends[1:]]
+    titles = "".join(f"  {b:^{len(group)}}" for b in backends)
+    columns = f"  {group}" * len(backends) + "".join(f"  {r:>{RATIO_W}}" for r in ratios)
+    return "\n".join([
+        f"# {op_name}: redop {ctx.redop}, {args.dtype}, {bu.plural(ctx.n, 'rank')}, "
+        f"root {ctx.root}, device {args.device}; time per iteration (max over ranks), "
+        f"bandwidth in GB/s",
+        f"# {' ' * (len(head) - 2)}{titles}" + ("  time ratio" if ratios else ""),
+        f"#{head[1:]}{columns}",
+    ])
+
+
+def format_cell(row):
+    if row.get("error"):
+        return f"  {'error':>11} {'-':>7} {'-':>7} {'-':>7}"
+    wrong = "-" if row["wrong"] is None else str(row["wrong"])
+    return (f"  {row['time_us']:>11.1f} {row['algbw_GBps']:>7.3f} "
+            f"{row['busbw_GBps']:>7.3f} {wrong:>7}")
+
+
+def format_line(rows):
+    first = rows[0]
+    line = f"{first['size_bytes']:>12} {first['count']:>11} {first['dtype']:>8}"
+    line += "".join(format_cell(r) for r in rows)
+    for other in rows[1:]:
+        ok = first.get("time_us") and other.get("time_us")
+        line += (f"  {first['time_us'] / other['time_us']:>{RATIO_W}.2f}" if ok
+                 else f"  {'n/a':>{RATIO_W}}")
+    return line
+
+
+def summary(rows, backends):
+    parts = []
+    for b in backends:
+        bw = [r["busbw_GBps"] for r in rows
+              if r["backend"] == b and r["busbw_GBps"] is not None]
+        parts.append(f"{b} {sum(bw) / len(bw):.3f}" if bw else f"{b} n/a")
+    return "# avg busbw (GB/s): " + ", ".join(parts)
+
+
+def _ours(groups):
+    """{name: RingBackend} of the ringreduce groups."""
+    return {name: g._get_backend(torch.device("cpu")) for name, g in groups.items()
+            if name.startswith("ringreduce")}
+
+
+def wait_summaries(ctx, groups):
+    """Per ringreduce group, what its ranks' waits did since the last call (the
+    backend's wait_stats, summed over ranks; the CPUs by rank), and a line
+    each for the table: a slow run says whether its ranks slept or moved."""
+    out, lines = {}, []
+    for name, backend in _ours(groups).items():
+        mine = backend.wait_stats()
+        backend.reset_stats()
+        every = [None] * ctx.n
+        dist.all_gather_object(every, mine)  # the default group: gloo
+        total = {k: sum(r[k] for r in every)
+                 for k in ("spun", "yielded", "slept", "migrations", "involuntary_switches",
+                           "minor_faults")}
+        total["cpus_by_rank"] = [r["cpus"] for r in every]
+        total["runnable_threads"] = max(r["runnable_threads"] for r in every)
+        out[name] = total
+        cpus = " | ".join(",".join(map(str, c)) or "-" for c in total["cpus_by_rank"])
+        lines.append(f"# {name} waits (all ranks): {total['spun']} spun, {total['yielded']} "
+                     f"yielded, {total['slept']} slept; {total['migrations']} migrations; "
+                     f"{total['involuntary_switches']} preemptions, {total['minor_faults']} "
+                     f"page faults; "
+                     f"CPUs by rank: {cpus}; runnable threads {total['runnable_threads']}")
+    return out, lines
+
+
+# ------------------------------------------------------------ driver
+
+def sweep_op(op_name, ctx, groups, sizes, args, progress, refs):
+    rows, failed = [], set()
+    cls, itemsize = OPS[op_name], ctx.dtype.itemsize
+    for size in sizes:
+        count = size // itemsize
+        if cls.chunked:
+            count -= count % ctx.n
+        if count == 0:
+            continue
+        op = cls(ctx, count)
+        line = measure_size(op_name, op, groups, failed, args)
+        for row in line:
+            if row["error"] and row["backend"] not in failed:
+                failed.add(row["backend"])
+                progress.write(f"# {op_name} on {row['backend']} raised: {row['error']}")
+        progress.update(len(line))
+        progress.write(format_line(line))
+        for text in refs.after_row(op_name, op, line, measure_size, args, groups):
+            progress.write(text)
+        rows += line
+        del op  # free this size's buffers before the next size allocates its own
+    return rows
+
+
+def worker(world, args):
+    ours = any(str(b).startswith("ringreduce") for b in (*args.backends, args.floor))
+    hint = bu.import_ringreduce() if ours else ""
+    bu.init_default_group(world, "gloo", args.timeout, args.device)
+    ctx = Ctx(world.rank, world.size, args.root, bu.DTYPES[args.dtype],
+              bu.tensor_device(args.device), args.redop)
+    if world.launcher != "spawn" and args.nproc_given and args.nproc != world.size:
+        log(ctx, f"# under {world.launcher}: world size {world.size}, --nproc ignored")
+    groups, failed = create_groups(args.backends, ctx, args, hint)
+    refs = bl.References(args, ctx, datetime.timedelta(seconds=args.timeout))  # prints
+    sizes = bu.size_sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+    total = len(args.ops) * len(sizes) * len(groups)
+    progress = bu.Progress(total, "bench", enabled=world.rank == 0)
+    start, rows = time.perf_counter(), []
+    waits = {}
+    for op_name in args.ops if groups else []:
+        progress.write("\n" + table_header(op_name, ctx, list(groups), args))
+        wait_summaries(ctx, groups)  # from zero: this table's waits only
+        op_rows = sweep_op(op_name, ctx, groups, sizes, args, progress, refs)
+        progress.write(summary(op_rows, list(groups)))
+        waits[op_name], lines = wait_summaries(ctx, groups)
+        for line in lines:
+            progress.write(line)
+        for text in refs.after_table(op_rows):
+            progress.write(text)
+        rows += op_rows
+    progress.close()
+    elapsed = time.perf_counter() - start
+    status = finish(world, ctx, rows, failed, elapsed, args, refs, waits)
+    dist.barrier()  # no rank tears down its connections while a peer still uses them
+    dist.destroy_process_group()
+    return status
+
+
+def finish(world, ctx, rows, failed, elapsed, args, refs, waits):
+    wrong = sum(r["wrong"] or 0 for r in rows)
+    errors = sum(1 for r in rows if r.get("error"))
+    if world.rank == 0:
+        print(f"\n# {len(rows)} rows in {elapsed:.1f} s; wrong elements: {wrong}; "
+              f"rows with errors: {errors}; backends unavailable: {sorted(failed) or 'none'}")
+        write_json(world, rows, failed, elapsed, args, refs, waits)
+    if wrong or errors:
+        return 1
+    return 2 if failed else 0
+
+
+def write_json(world, rows, failed, elapsed, args, refs, waits):
+    if not args.json:
+        return
+    if args.json == "auto":
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        args.json = os.path.join("results", f"bench_collectives_{world.size}r_{stamp}.json")
+    env = {**bu.environment(world), "busy": bl.busy_environment(args), **bm.environment()}
+    doc = {"environment": env, "args": vars(args), "unavailable_backends": failed,
+           "elapsed_s": elapsed, "reference": refs.to_json(), "rows": rows, "waits": waits}
+    folder = os.path.dirname(args.json)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    with open(args.json, "w") as out:
+        json.dump(doc, out, indent=1, default=str)
+    print(f"# results written to {args.json}")
