@@ -529,7 +529,7 @@ def _failed_setups(ctx, attempts):
     def attempt(i):
         store = dist.PrefixStore(f"badif{i}/", ctx.new_store(f"badif{i}"))
         try:
-            with_env({"RINGREDUCE_SOCKET_IFNAME": "rr-no-such0"}, lambda: _C.RingBackend(
+            with_env({"RINGREDUCE_SOCKET_IFNAME": "rr-no-such0"}, lambda: _C.Backend(
                 store, ctx.rank, ctx.world_size, timedelta(seconds=5)))
             return "constructed"
         except Exception as err:  # noqa: BLE001 - reported to the parent
@@ -557,7 +557,7 @@ def _prefix_reused_by_a_smaller_group(ctx):
     from torch_ringreduce import _C
 
     store = dist.PrefixStore("reused/", ctx.new_store("reused"))
-    backend = _C.RingBackend(store, ctx.rank, ctx.world_size, timedelta(seconds=10))
+    backend = _C.Backend(store, ctx.rank, ctx.world_size, timedelta(seconds=10))
     t = torch.ones(4)
     backend.allreduce([t]).wait()
     backend.shutdown()
@@ -565,7 +565,7 @@ def _prefix_reused_by_a_smaller_group(ctx):
     if ctx.rank == 2:
         return None
     try:
-        small = _C.RingBackend(store, ctx.rank, 2, timedelta(seconds=5))
+        small = _C.Backend(store, ctx.rank, 2, timedelta(seconds=5))
         t = torch.ones(4)
         small.allreduce([t]).wait()
         small.shutdown()

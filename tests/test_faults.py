@@ -74,11 +74,11 @@ def _new_group(transport="shm", timeout_s=MISMATCH_GROUP_TIMEOUT_S):
 
 
 def _direct_backend(ctx, tag, timeout_s, transport="shm"):
-    """A RingBackend built directly on a fresh prefix of a shared FileStore."""
+    """A Backend built directly on a fresh prefix of a shared FileStore."""
     from torch_ringreduce import _C
 
     store = dist.PrefixStore(f"{tag}/", ctx.new_store(tag))
-    return with_env(_shm_env(transport), lambda: _C.RingBackend(
+    return with_env(_shm_env(transport), lambda: _C.Backend(
         store, ctx.rank, ctx.world_size, timedelta(seconds=timeout_s)))
 
 
@@ -341,7 +341,7 @@ def _store_host_stops(ctx, tag, timeout_s):
         sync.wait(["port"], timedelta(seconds=30))
         store = dist.TCPStore(host_name="127.0.0.1", port=int(sync.get("port").decode()),
                               world_size=3, is_master=False, timeout=timedelta(seconds=60))
-    backend = _C.RingBackend(dist.PrefixStore("g/", store), r, 3,
+    backend = _C.Backend(dist.PrefixStore("g/", store), r, 3,
                              timedelta(seconds=timeout_s))
     t = torch.ones(1000)
     backend.allreduce([t]).wait()

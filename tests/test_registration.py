@@ -100,7 +100,7 @@ def _device_string_group(ctx):
     return {
         "get_backend": str(dist.get_backend()),
         "backend_type": type(backend).__name__,
-        "is_ring": isinstance(backend, torch_ringreduce._C.RingBackend),
+        "is_ring": isinstance(backend, torch_ringreduce._C.Backend),
         "result": t.tolist(),
     }
 
@@ -108,7 +108,7 @@ def _device_string_group(ctx):
 def test_device_string_backend_cpu_ringreduce(fresh_world):
     world = fresh_world(1, backend="cpu:ringreduce", pg_timeout_s=30)
     (out,) = world.run(_device_string_group, timeout=60)
-    assert out["is_ring"], f"cpu backend is {out['backend_type']}, not RingBackend"
+    assert out["is_ring"], f"cpu backend is {out['backend_type']}, not torch_ringreduce._C.Backend"
     assert out["result"] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert "ringreduce" in out["get_backend"], out["get_backend"]
 

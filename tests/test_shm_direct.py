@@ -222,7 +222,7 @@ def test_an_unknown_algorithm_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="RINGREDUCE_ALLREDUCE='tree' is not an all-reduce "
                                          "algorithm"):
         with_env({"RINGREDUCE_ALLREDUCE": "tree"},
-                 lambda: _C.RingBackend(store, 0, 1, timedelta(seconds=5)))
+                 lambda: _C.Backend(store, 0, 1, timedelta(seconds=5)))
 
 
 def _auto_runs_two_step(ctx):

@@ -11,7 +11,7 @@ DEVICES = ["cpu", "cuda"]
 def _create_backend(store, rank, world_size, timeout):
     from torch_ringreduce._extension import load  # checks the torch _C was built against
 
-    return load().RingBackend(store, rank, world_size, timeout)
+    return load().Backend(store, rank, world_size, timeout)
 
 
 def is_registered() -> bool:

@@ -1,11 +1,11 @@
-// RingBackend collective methods: validate, describe, build the Work, enqueue.
+// Backend collective methods: validate, describe, build the Work, enqueue.
 // The closures stage non-contiguous tensors into contiguous buffers, run an
 // algorithm, and write results back into the caller's tensors.
 #include <numeric>
 
 #include "algorithms/algorithms.h"
 #include "backend/device_stage.h"
-#include "backend/ring_backend.h"
+#include "backend/backend.h"
 #include "backend/validate.h"
 
 namespace ringreduce {
@@ -48,7 +48,7 @@ std::vector<at::Tensor> allgatherFlat(const Comm& c, const std::vector<at::Tenso
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) try {
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
     return allreduceSparse(tensors, opts);
@@ -71,7 +71,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& t
                  std::move(stage));
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
+c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) try {
   OpContext ctx = nextContext("allreduce_coalesced", tensors);
   RR_CHECK_VALUE(!tensors.empty(), ctx, "needs at least one tensor");
@@ -102,7 +102,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allreduce_coalesced(
                  std::move(stage));
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) try {
   OpContext ctx = nextContext("broadcast", tensors);
   const at::Tensor t = single(ctx, tensors, "input");
@@ -124,7 +124,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& t
                  std::move(stage));
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) try {
   OpContext ctx = nextContext("reduce", tensors);
   const at::Tensor t = single(ctx, tensors, "input");
@@ -149,7 +149,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tens
                  std::move(stage));
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
+c10::intrusive_ptr<c10d::Work> Backend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) try {
   OpContext ctx = nextContext("allgather", inputs);
@@ -174,7 +174,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
                  std::move(stage), inputs);
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(
+c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) try {
   OpContext ctx = nextContext("allgather_into_tensor", input);
   checkTensor(ctx, input, "input");
@@ -198,7 +198,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(
                  std::move(stage), {input});
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
+c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) try {
   OpContext ctx = nextContext("allgather_coalesced", inputs);
@@ -243,7 +243,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_coalesced(
                  std::move(stage), inputs);
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::allgather_into_tensor_coalesced(
+c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) try {
   OpContext ctx = nextContext("allgather_into_tensor_coalesced", inputs);
@@ -274,7 +274,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allgather_into_tensor_coalesced(
                  std::move(stage), inputs);
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) try {
   OpContext ctx = nextContext("gather", inputs);
@@ -324,7 +324,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gather(std::vector<std::vector<at::T
                  std::move(stage), inputs);
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::scatter(std::vector<at::Tensor>& outputs,
+c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) try {
   OpContext ctx = nextContext("scatter", outputs);

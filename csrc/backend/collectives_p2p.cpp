@@ -1,5 +1,5 @@
-// RingBackend: point-to-point (send, recv) and the barriers.
-#include "backend/ring_backend.h"
+// Backend: point-to-point (send, recv) and the barriers.
+#include "backend/backend.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 
@@ -9,13 +9,13 @@
 
 namespace ringreduce {
 
-c10::intrusive_ptr<c10d::Work> RingBackend::barrier(const c10d::BarrierOptions& opts) {
+c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   OpInfo op = makeOp(OpKind::kBarrier, "barrier", at::Tensor(), kNoReduceOp, 0);
   return enqueue(std::move(op), opts.timeout, c10d::OpType::BARRIER, {}, opts.asyncOp,
                  [](const Comm& c) { barrierDissemination(c); });
 }
 
-void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   using Clock = std::chrono::steady_clock;
   const auto timeout = effective(opts.timeout);
   const auto deadline = Clock::now() + timeout;
@@ -87,7 +87,7 @@ void RingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
 
 // ---- point-to-point -------------------------------------------------------
 
-c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
+c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                  int tag) {
   OpContext ctx{getRank(), getSize(), "send", p2pSeq_ + 1, tensors};
   const at::Tensor& t = single(ctx, tensors, "send");
@@ -101,7 +101,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
   op.dtype = static_cast<uint8_t>(t.scalar_type());
   op.timeout = timeout_;
   op.deadline = std::chrono::steady_clock::now() + timeout_;
-  auto work = c10::make_intrusive<RingWork>(op.ctx, c10d::OpType::SEND, tensors);
+  auto work = c10::make_intrusive<Work>(op.ctx, c10d::OpType::SEND, tensors);
   track(work);
   // CUDA: the host waits for the copy to the host; the message leaves now.
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
@@ -122,7 +122,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::send(std::vector<at::Tensor>& tensor
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> RingBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
+c10::intrusive_ptr<c10d::Work> Backend::recv(std::vector<at::Tensor>& tensors, int srcRank,
                                                  int tag) {
   OpContext ctx{getRank(), getSize(), "recv", p2pSeq_ + 1, tensors};
   checkRoot(ctx, srcRank, getSize(), "source rank");
@@ -130,12 +130,12 @@ c10::intrusive_ptr<c10d::Work> RingBackend::recv(std::vector<at::Tensor>& tensor
   return postRecv(tensors, srcRank, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> RingBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> Backend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                           int tag) {
   return postRecv(tensors, -1, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> Backend::postRecv(std::vector<at::Tensor>& tensors,
                                                      int srcRank, int tag) {
   OpContext ctx{getRank(), getSize(), "recv", p2pSeq_ + 1, tensors};
   const at::Tensor& t = single(ctx, tensors, "recv");
@@ -152,7 +152,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
   auto type = srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV;
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
   at::Tensor h = stage.out(t);  // CUDA: copied back on the internal stream
-  auto work = c10::make_intrusive<RingWork>(op.ctx, type, tensors, std::move(stage));
+  auto work = c10::make_intrusive<Work>(op.ctx, type, tensors, std::move(stage));
   track(work);
   at::Tensor s = staged(h);
   traffic_->countOp("recv");
@@ -166,7 +166,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::postRecv(std::vector<at::Tensor>& te
                          traffic->received(nbytes(s));
                          try {
                            at::NoGradGuard noGrad;
-                           at::AutoDispatchBelowADInplaceOrView raw;  // as runEntry()
+                           at::AutoDispatchBelowADInplaceOrView raw;  // as runOp()
                            writeBack(h, s);
                            work->stage().afterRun();
                          } catch (...) {

@@ -1,9 +1,9 @@
-// RingBackend: reduce-scatter and all-to-all.
+// Backend: reduce-scatter and all-to-all.
 #include <numeric>
 
 #include "algorithms/algorithms.h"
 #include "backend/device_stage.h"
-#include "backend/ring_backend.h"
+#include "backend/backend.h"
 #include "backend/validate.h"
 
 namespace ringreduce {
@@ -54,7 +54,7 @@ std::vector<size_t> offsetsOf(const std::vector<size_t>& bytes) {
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
+c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) try {
   OpContext ctx = nextContext("reduce_scatter", outputs);
@@ -80,7 +80,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
                  std::move(stage), inputs[0]);
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
+c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) try {
   OpContext ctx = nextContext("reduce_scatter_tensor", input);
   checkTensor(ctx, output, "output");
@@ -100,7 +100,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
                  std::move(stage), {input});
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter_tensor_coalesced(
+c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) try {
   OpContext ctx = nextContext("reduce_scatter_tensor_coalesced", inputs);
@@ -139,7 +139,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter_tensor_coalesced(
                  std::move(stage), inputs);
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                           std::vector<int64_t>& outputSplits,
                                                           std::vector<int64_t>& inputSplits,
                                                           const c10d::AllToAllOptions& opts) try {
@@ -177,7 +177,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::alltoall_base(at::Tensor& output, at
                  std::move(stage), {input});
 } RR_REJECTED_AT_CALL
 
-c10::intrusive_ptr<c10d::Work> RingBackend::alltoall(std::vector<at::Tensor>& outputs,
+c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) try {
   OpContext ctx = nextContext("alltoall", inputs);

@@ -1,4 +1,4 @@
-// RingBackend: allreduce of sparse COO tensors (what DDP issues for the
+// Backend: allreduce of sparse COO tensors (what DDP issues for the
 // gradients of nn.Embedding(sparse=True)).
 //
 // The nonzeros of each rank differ in number and position, so this is not a
@@ -9,7 +9,7 @@
 #include <cstring>
 
 #include "algorithms/algorithms.h"
-#include "backend/ring_backend.h"
+#include "backend/backend.h"
 #include "backend/validate.h"
 #include "common/errors.h"
 
@@ -56,7 +56,7 @@ std::string shapeOf(int64_t sparseDim, int64_t denseDim, int64_t dims) {
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> RingBackend::allreduceSparse(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> Backend::allreduceSparse(std::vector<at::Tensor>& tensors,
                                                             const c10d::AllreduceOptions& opts) {
   OpContext ctx = nextContext("allreduce", tensors);
   const at::Tensor t = tensors[0];

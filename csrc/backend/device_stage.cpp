@@ -174,7 +174,7 @@ void DeviceStage::afterRun() {
   c10::cuda::CUDAGuard guard(impl_->device);
   impl_->awaitReady();  // a receive has no copies to the host
   c10::cuda::CUDAStreamGuard onStream(impl_->stream);
-  // The callers hold AutoDispatchBelowADInplaceOrView (RingBackend::runEntry):
+  // The callers hold AutoDispatchBelowADInplaceOrView (Backend::runOp):
   // an inference tensor may be written from this thread.
   for (auto& [deviceTensor, host] : impl_->back) {
     deviceTensor.copy_(host, /*non_blocking=*/true);

@@ -1,8 +1,8 @@
-// Issuing a collective on RingBackend: its number and context, a rejection
+// Issuing a collective on Backend: its number and context, a rejection
 // at the call published to the peers, the Work, and how the executor runs it
 // (runOp: the op over the transport, its final check, a failure aborting the
 // group). The executor itself (queue, workers, settling) is op_executor.cpp.
-#include "backend/ring_backend.h"
+#include "backend/backend.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 
@@ -15,7 +15,7 @@ namespace {
 // The collective this thread is issuing: set by nextContext, taken by makeOp
 // (which numbers it), queued or run by enqueue.
 struct Issuing {
-  const RingBackend* backend = nullptr;
+  const Backend* backend = nullptr;
   bool taken = true;
   uint64_t seq = 0;     // makeOp's number
   bool queued = false;  // enqueue has it
@@ -24,12 +24,12 @@ thread_local Issuing issuing;
 
 }  // namespace
 
-OpContext RingBackend::nextContext(const char* name, TensorDesc tensor) const {
+OpContext Backend::nextContext(const char* name, TensorDesc tensor) const {
   issuing = Issuing{this, false};
   return OpContext{getRank(), getSize(), name, seq_.load() + 1, std::move(tensor)};
 }
 
-void RingBackend::rejectedAtCall(const c10::Error& error) {
+void Backend::rejectedAtCall(const c10::Error& error) {
   if (issuing.backend != this || issuing.queued) return;
   uint64_t seq = issuing.seq;
   if (!issuing.taken) {
@@ -46,7 +46,7 @@ void RingBackend::rejectedAtCall(const c10::Error& error) {
   }
 }
 
-OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
+OpInfo Backend::makeOp(OpKind kind, const char* name, const at::Tensor& t, uint8_t reduceOp,
                            uint64_t total, int32_t root) {
   traffic_->countOp(name);
   OpInfo op;
@@ -67,7 +67,7 @@ OpInfo RingBackend::makeOp(OpKind kind, const char* name, const at::Tensor& t, u
   return op;
 }
 
-void RingBackend::roleChecks(const OpContext& ctx, int root,
+void Backend::roleChecks(const OpContext& ctx, int root,
                              const std::function<void()>& checks) {
   try {
     checks();
@@ -82,13 +82,13 @@ void RingBackend::roleChecks(const OpContext& ctx, int root,
   }
 }
 
-c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
+c10::intrusive_ptr<c10d::Work> Backend::enqueue(OpInfo op, std::chrono::milliseconds opTimeout,
                                                     c10d::OpType type,
                                                     std::vector<at::Tensor> outputs, bool asyncOp,
                                                     Job run, DeviceStage stage,
                                                     const std::vector<at::Tensor>& inputs) {
   if (issuing.backend == this && issuing.seq == op.ctx.seq) issuing.queued = true;
-  auto work = c10::make_intrusive<RingWork>(op.ctx, type, std::move(outputs), std::move(stage),
+  auto work = c10::make_intrusive<Work>(op.ctx, type, std::move(outputs), std::move(stage),
                                             inputs);
   track(work);
   executor_.submit(OpExecutor::Entry{std::move(op), effective(opTimeout), work, std::move(run)},
@@ -96,7 +96,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::enqueue(OpInfo op, std::chrono::mill
   return work;
 }
 
-std::exception_ptr RingBackend::runOp(OpExecutor::Entry& e) {
+std::exception_ptr Backend::runOp(OpExecutor::Entry& e) {
   // The op writes into the caller's tensors outside autograd, as gloo's
   // kernels do: leaves that require grad, their views and AVG's in-place
   // division are fine in any grad mode of the calling thread. Below the

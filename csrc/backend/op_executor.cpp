@@ -154,7 +154,7 @@ void OpExecutor::watcherLoop(const Owner& weak) {
 
 void OpExecutor::submit(Entry e, bool asyncOp) {
   e.nested = tSettlingDepth > 0;
-  RingWork& work = *e.work;
+  Work& work = *e.work;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {
@@ -162,13 +162,13 @@ void OpExecutor::submit(Entry e, bool asyncOp) {
       return;
     }
     if (asyncOp || !queue_.empty() || running_ || !(e.nested || mayRunLocked())) {
-      work.setLateTaken([gate = gate_](RingWork* w) {
+      work.setLateTaken([gate = gate_](Work* w) {
         c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong();
         if (!self) return;
         std::lock_guard<std::mutex> lock(gate->executor->mu_);  // released before `self`
         gate->executor->countTakenLocked(*w);
       });
-      work.setHelper([gate = gate_](RingWork* w) {
+      work.setHelper([gate = gate_](Work* w) {
         if (tRunningOps) return;
         // Dropping `self` may shut the owner down here (a callback dropped
         // its last other reference); nothing after touches the executor.
@@ -236,7 +236,7 @@ void OpExecutor::settle(Entry& e, std::exception_ptr error, bool onWorker) {
     std::lock_guard<std::mutex> lock(mu_);
     countTakenLocked(*e.work);
   }
-  RingWork& work = *e.work;
+  Work& work = *e.work;
   auto done = c10::make_scope_exit([this, onWorker, outerOnWorker, &work] {
     --tSettlingDepth;
     tWorkerInCallbacks = outerOnWorker;
@@ -269,7 +269,7 @@ void OpExecutor::settle(Entry& e, std::exception_ptr error, bool onWorker) {
   }
 }
 
-void OpExecutor::countTakenLocked(RingWork& work) {
+void OpExecutor::countTakenLocked(Work& work) {
   if (work.counted || !work.lookOpen()) return;
   work.counted = true;
   ++settlingTaken_;
@@ -286,7 +286,7 @@ OpExecutor::Entry OpExecutor::popFrontLocked() {
   return e;
 }
 
-void OpExecutor::runQueuedUntil(const RingWork* work) {
+void OpExecutor::runQueuedUntil(const Work* work) {
   // In a Future's callback (settling a Work whose Future is complete), this
   // thread's own settling keeps every worker off the queue (mayRunLocked),
   // and the op waited for may have been queued before (not nested): this

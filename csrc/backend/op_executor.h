@@ -37,7 +37,7 @@
 #include <thread>
 #include <vector>
 
-#include "backend/ring_work.h"
+#include "backend/work.h"
 #include "transport/transport.h"
 
 namespace ringreduce {
@@ -50,7 +50,7 @@ class OpExecutor {
   struct Entry {
     OpInfo op;
     std::chrono::milliseconds timeout;
-    c10::intrusive_ptr<RingWork> work;
+    c10::intrusive_ptr<Work> work;
     Job run;
     // Issued from a Future's callbacks (while a Work was being settled): may
     // run while earlier Works are still being settled.
@@ -79,7 +79,7 @@ class OpExecutor {
   // group for it (called by RunOp on the op's thread, no lock).
   void markConfirmed() { runningConfirmed_.store(true, std::memory_order_release); }
 
-  // Shutting down, in the owner's order (RingBackend::shutdown):
+  // Shutting down, in the owner's order (Backend::shutdown):
   struct Stopping {
     bool already = false;            // stopped before: nothing to do
     std::deque<Entry> dropped;       // queued ops, in issue order, their Works open
@@ -127,12 +127,12 @@ class OpExecutor {
   Entry popFrontLocked();
   // Counts a Work being settled whose Future was taken in settlingTaken_
   // (once; not after it settled) and arms the watcher (with mu_).
-  void countTakenLocked(RingWork& work);
+  void countTakenLocked(Work& work);
   // Runs queued ops on the calling thread, in queue order, up to and
   // including `work`'s, while no other thread runs one; returns at once when
   // `work` is not queued, another thread is running an op, or the executor is
-  // stopping (RingWork::wait then blocks as before).
-  void runQueuedUntil(const RingWork* work);
+  // stopping (Work::wait then blocks as before).
+  void runQueuedUntil(const Work* work);
   void workerLoop(const Owner& owner);
   // Workers: one at first; another whenever work is queued while every one
   // is inside a Future's callbacks (which may wait for that work). With mu_.
@@ -140,7 +140,7 @@ class OpExecutor {
   void ensureWorkerLocked();
   // The watcher (thread "rr-watch", started the first time it is armed): a
   // Future callback may block in torch's Future::wait() (which never reaches
-  // RingWork::wait) for an op queued behind its own Work, which no thread
+  // Work::wait) for an op queued behind its own Work, which no thread
   // starts until that Work is settled. Armed (with mu_) while a Work whose
   // Future was taken is settled with ops queued; when nothing has settled for
   // kRescueAfter and the queue is held only by such settling (every finished

@@ -4,7 +4,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "backend/ring_backend.h"
+#include "backend/backend.h"
 #include "bindings/bindings.h"
 #include "common/env.h"
 #include "transport/wait_policy.h"
@@ -14,50 +14,50 @@ namespace py = pybind11;
 namespace ringreduce {
 
 void bindBackend(py::module_& m) {
-  py::class_<ringreduce::RingOptions, c10d::Backend::Options,
-             c10::intrusive_ptr<ringreduce::RingOptions>>(
-      m, "RingOptions", "The ringreduce backend's options (torch's Backend.Options)")
+  py::class_<ringreduce::BackendOptions, c10d::Backend::Options,
+             c10::intrusive_ptr<ringreduce::BackendOptions>>(
+      m, "BackendOptions", "The ringreduce backend's options (torch's Backend.Options)")
       .def(py::init<std::chrono::milliseconds>(), py::arg("timeout"))
       .def("__copy__",
-           [](const ringreduce::RingOptions& o) { return c10::make_intrusive<ringreduce::RingOptions>(o); })
-      .def("__deepcopy__", [](const ringreduce::RingOptions& o, const py::dict&) {
-        return c10::make_intrusive<ringreduce::RingOptions>(o);
+           [](const ringreduce::BackendOptions& o) { return c10::make_intrusive<ringreduce::BackendOptions>(o); })
+      .def("__deepcopy__", [](const ringreduce::BackendOptions& o, const py::dict&) {
+        return c10::make_intrusive<ringreduce::BackendOptions>(o);
       });
 
-  py::class_<ringreduce::RingBackend, c10d::Backend, c10::intrusive_ptr<ringreduce::RingBackend>>(
-      m, "RingBackend")
+  py::class_<ringreduce::Backend, c10d::Backend, c10::intrusive_ptr<ringreduce::Backend>>(
+      m, "Backend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout) {
-             return ringreduce::RingBackend::create(store, rank, size, timeout);
+             return ringreduce::Backend::create(store, rank, size, timeout);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly(
           "options",
-          [](ringreduce::RingBackend& b) {
-            return c10::static_intrusive_pointer_cast<ringreduce::RingOptions>(
+          [](ringreduce::Backend& b) {
+            return c10::static_intrusive_pointer_cast<ringreduce::BackendOptions>(
                 b.getBackendOptions());
           },
-          "This group's options: a RingOptions with its timeout (split_group copies them)")
+          "This group's options: a BackendOptions with its timeout (split_group copies them)")
       .def(
-          "perform_nocolor_split", [](ringreduce::RingBackend&, const py::object&) {},
+          "perform_nocolor_split", [](ringreduce::Backend&, const py::object&) {},
           py::arg("device"),
           "Nothing to do: torch calls it on the ranks left out of a new group when the "
           "default group is bound to a device (NCCL's communicator split needs them)")
-      .def("listen_address", &ringreduce::RingBackend::listenAddress,
+      .def("listen_address", &ringreduce::Backend::listenAddress,
            "'ip:port' this rank accepts peer connections on")
-      .def("transport_kind", &ringreduce::RingBackend::transportKind, py::arg("device") = "cpu",
+      .def("transport_kind", &ringreduce::Backend::transportKind, py::arg("device") = "cpu",
            "device 'cpu': 'shm' when collectives go through shared memory (every rank on "
            "this host), 'shm+tcp' when shared memory with this host's ranks and TCP with "
            "other hosts, else 'tcp'; device 'cuda': how CUDA tensors travel, "
            "'host-staging' ('none' in a build without CUDA)")
-      .def("refused_connections", &ringreduce::RingBackend::refusedConnections,
+      .def("refused_connections", &ringreduce::Backend::refusedConnections,
            "Why the most recent refused (unauthenticated) connections were refused")
-      .def("refused_connection_count", &ringreduce::RingBackend::refusedCount,
+      .def("refused_connection_count", &ringreduce::Backend::refusedCount,
            "How many connections were refused (or not accepted) in all")
       .def(
           "stats",
-          [](const ringreduce::RingBackend& b) {
+          [](const ringreduce::Backend& b) {
             const ringreduce::Traffic& t = b.traffic();
             py::dict ops;
             for (const auto& [name, count] : t.ops()) ops[py::str(name)] = count;
@@ -72,7 +72,7 @@ void bindBackend(py::module_& m) {
           "Payload bytes of completed transfers (message headers not counted).")
       .def(
           "_loop_allreduce",
-          [](ringreduce::RingBackend& b, at::Tensor t, int64_t iters) {
+          [](ringreduce::Backend& b, at::Tensor t, int64_t iters) {
             std::vector<at::Tensor> ts{t};
             c10d::AllreduceOptions opts;
             opts.asyncOp = false;
@@ -85,12 +85,12 @@ void bindBackend(py::module_& m) {
           "Benchmarks only: `iters` synchronous all-reduces (SUM) of `tensor` in place, called "
           "from a C++ loop (no Python and no c10d dispatch per call), each waited before the "
           "next; returns the seconds per call. Every rank of the group must call it alike.")
-      .def("abort_reason", &ringreduce::RingBackend::abortReason,
+      .def("abort_reason", &ringreduce::Backend::abortReason,
            "'' while the group is healthy; else why this rank aborted it (its first failure, "
            "destroy_process_group with ops pending, abort())")
       .def(
           "get_error",
-          [](ringreduce::RingBackend& b) {
+          [](ringreduce::Backend& b) {
             // torch's own enum (torch.distributed's ErrorType), as NCCL's returns.
             return py::module_::import("torch._C._distributed_c10d")
                 .attr("ErrorType")(static_cast<int>(b.getError()));
@@ -98,11 +98,11 @@ void bindBackend(py::module_& m) {
           "Why this rank's first failed collective failed: ErrorType.TIMEOUT, COMM_ERROR (a "
           "connection or a check failed here), REMOTE_ERROR (the group's first error was "
           "another rank's), or SUCCESS")
-      .def("reset_stats", &ringreduce::RingBackend::resetStats,
+      .def("reset_stats", &ringreduce::Backend::resetStats,
            "Zeroes the counters that stats() and wait_stats() report")
       .def(
           "wait_stats",
-          [](const ringreduce::RingBackend& b) {
+          [](const ringreduce::Backend& b) {
             const ringreduce::WaitPolicy& w = b.waitPolicy();
             const ringreduce::WaitPolicy::Summary s = w.summary();
             py::list cpus;
@@ -133,7 +133,7 @@ void bindBackend(py::module_& m) {
           "'involuntary_switches' (its threads preempted), 'minor_faults', 'major_faults'")
       .def(
           "wait_policy",
-          [](const ringreduce::RingBackend& b) {
+          [](const ringreduce::Backend& b) {
             const ringreduce::WaitPolicy& w = b.waitPolicy();
             py::dict out;
             out["local_ranks"] = w.localRanks();

@@ -42,7 +42,7 @@ void bindInternals(py::module_& m) {
       py::arg("bytes"), py::arg("size"), py::arg("shared"), py::arg("forced") = "auto",
       py::arg("hosts") = 1,
       "The all-reduce algorithm the backend runs for these arguments (tests and "
-      "scripts/_traffic_model.py)");
+      "scripts/studies/_traffic_model.py)");
 
   m.def(
       "_tuning",
@@ -59,7 +59,7 @@ void bindInternals(py::module_& m) {
       py::arg("local_ranks") = 2,
       "The thresholds of the algorithm choice (csrc/algorithms/tuning.h) and the staging "
       "area's bytes for a host with `local_ranks` ranks, for scripts that predict what the "
-      "backend runs (scripts/_traffic_model.py)");
+      "backend runs (scripts/studies/_traffic_model.py)");
 
   // Pure ring arithmetic, exposed for unit tests.
   m.def("_even_block", [](size_t count, int parts, int i) {

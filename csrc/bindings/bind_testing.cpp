@@ -1,7 +1,8 @@
 // torch_ringreduce._C._testing: the fault-injection and tuning hooks the tests
-// (and, for the shared-memory staging and store knobs, the benchmarks) set.
-// Nothing else in the package calls them. The only bindings that reach into
-// the transports' internals.
+// set, and the shared-memory staging and store knobs the benchmark
+// (torch_ringreduce.bench --staging/--stores) sets too. Nothing else in the
+// package calls them. The only bindings that reach into the transports'
+// internals.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>

@@ -19,7 +19,7 @@ struct TestHooks {
   // CUDA tensors does (issue.cpp).
   std::atomic<int64_t> rejectAfterNumbering{0};
   // The next this-many Works get a C++ callback on their Future that throws
-  // (RingWork::complete must log it, and the op still succeed; ring_work.cpp).
+  // (Work::complete must log it, and the op still succeed; work.cpp).
   std::atomic<int64_t> throwingCallbacks{0};
   // A TCP op's confirm() sleeps this long (ms) before its check (tcp_transport.cpp).
   std::atomic<int64_t> tcpConfirmDelayMs{0};

@@ -4,9 +4,9 @@
 // The p2p engine's threads complete point-to-point Works and so run their
 // Futures' callbacks. A callback that waits for another point-to-point Work
 // would block the one thread that can complete it. The engine sets this hook
-// on its threads; RingWork::wait() calls it before it blocks, and the engine
+// on its threads; Work::wait() calls it before it blocks, and the engine
 // then starts another thread if every one of its threads is in callbacks.
-// torch's Future::wait() cannot call it: RingWork calls it before it runs
+// torch's Future::wait() cannot call it: Work calls it before it runs
 // the callbacks of a Future someone took (getFuture()).
 #pragma once
 

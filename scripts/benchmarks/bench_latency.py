@@ -14,7 +14,7 @@ Beside them, the all-reduce's floor and its cost without Python:
 all_reduce_one_rank is dist.all_reduce on each rank's own one-rank group (every
 rank at once: the call's cost with nothing to exchange), and
 all_reduce_cpp_loop / all_reduce_cpp_loop_one_rank run the same synchronous
-all-reduces from a C++ loop in the backend (RingBackend._loop_allreduce: no
+all-reduces from a C++ loop in the backend (Backend._loop_allreduce: no
 Python and no c10d dispatch per call), so their difference is what the
 exchange itself costs. over_one_rank and cpp_over_one_rank give the two
 differences. Builds without _loop_allreduce skip the C++ rows.

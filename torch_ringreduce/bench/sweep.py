@@ -237,7 +237,7 @@ def summary(rows, backends):
 
 
 def _ours(groups):
-    """{name: RingBackend} of the ringreduce groups."""
+    """{name: Backend} of the ringreduce groups."""
     return {name: g._get_backend(torch.device("cpu")) for name, g in groups.items()
             if name.startswith("ringreduce")}
 

@@ -1,4 +1,4 @@
-#include "backend/ring_work.h"
+#include "backend/work.h"
 
 #include "common/test_hooks.h"
 #include "common/wait_hook.h"
@@ -12,7 +12,7 @@ namespace ringreduce {
 namespace {
 
 // The Work whose Future this thread is completing (its callbacks run here).
-thread_local const RingWork* tSettling = nullptr;
+thread_local const Work* tSettling = nullptr;
 
 std::vector<c10::Device> devicesOf(const DeviceStage& stage) {
   auto device = stage.device();
@@ -21,7 +21,7 @@ std::vector<c10::Device> devicesOf(const DeviceStage& stage) {
 
 }  // namespace
 
-const char* RingWork::profilingTitle(c10d::OpType type) {
+const char* Work::profilingTitle(c10d::OpType type) {
   using T = c10d::OpType;
   switch (type) {
     case T::BROADCAST: return "ringreduce:broadcast";
@@ -47,7 +47,7 @@ const char* RingWork::profilingTitle(c10d::OpType type) {
   }
 }
 
-RingWork::RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs,
+Work::Work(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs,
                    DeviceStage stage, const std::vector<at::Tensor>& profiled)
     // c10d::Work starts a RecordFunction with the title and the inputs' shapes
     // when a profiler is active (a thread-local check otherwise).
@@ -68,32 +68,32 @@ RingWork::RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> out
 }
 
 
-bool RingWork::isCompleted() {
+bool Work::isCompleted() {
   std::lock_guard<std::mutex> lock(doneMu_);
   // A CUDA op is complete once its copies back have run on the GPU too.
   return done_ && (error_ || stage_.query());
 }
 
-bool RingWork::isSuccess() const {
+bool Work::isSuccess() const {
   std::lock_guard<std::mutex> lock(doneMu_);
   return done_ && !error_;
 }
 
-std::exception_ptr RingWork::exception() const {
+std::exception_ptr Work::exception() const {
   std::lock_guard<std::mutex> lock(doneMu_);
   return error_;
 }
 
-int RingWork::sourceRank() const {
+int Work::sourceRank() const {
   std::lock_guard<std::mutex> lock(doneMu_);
   return sourceRank_;
 }
 
-std::vector<at::Tensor> RingWork::result() {
+std::vector<at::Tensor> Work::result() {
   return outputs_;
 }
 
-bool RingWork::wait(std::chrono::milliseconds timeout) {
+bool Work::wait(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(doneMu_);
   if (tSettling == this) {
     // A callback of this Work's own Future: the op's outcome is settled (the
@@ -125,11 +125,11 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
-void RingWork::synchronize() {
+void Work::synchronize() {
   stage_.blockCurrentStream();
 }
 
-void RingWork::blockCurrentStream() {
+void Work::blockCurrentStream() {
   if (!stage_.device()) {
     c10d::Work::blockCurrentStream();
     return;
@@ -137,7 +137,7 @@ void RingWork::blockCurrentStream() {
   wait();
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> RingWork::getFuture() {
+c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
   futureTaken_.store(true);
   // Taken while settle() completes the Future: its callbacks may still be
   // attached and run there (see setLateTaken).
@@ -145,11 +145,11 @@ c10::intrusive_ptr<c10::ivalue::Future> RingWork::getFuture() {
   return future_;
 }
 
-uint64_t RingWork::getSequencenumber() const {
+uint64_t Work::getSequencenumber() const {
   return ctx_.seq;
 }
 
-void RingWork::endProfiling() {
+void Work::endProfiling() {
   if (recordFunctionEndCallback_) {
     recordFunctionEndCallback_();
     recordFunctionEndCallback_ = nullptr;
@@ -158,17 +158,17 @@ void RingWork::endProfiling() {
 
 // The Future completes before wait() can return (as gloo's works do), so
 // `work.wait(); work.get_future().value()` never finds it pending.
-void RingWork::markStarted() {
+void Work::markStarted() {
   std::lock_guard<std::mutex> lock(doneMu_);
   started_ = std::chrono::steady_clock::now();
 }
 
-void RingWork::markFinished() {
+void Work::markFinished() {
   std::lock_guard<std::mutex> lock(doneMu_);
   finished_ = std::chrono::steady_clock::now();
 }
 
-float RingWork::getDuration() const {
+float Work::getDuration() const {
   std::lock_guard<std::mutex> lock(doneMu_);
   TORCH_CHECK(done_, ctx_.message("getDuration(): the op has not completed yet"));
   return std::chrono::duration<float, std::milli>(finished_ - started_).count();
@@ -176,7 +176,7 @@ float RingWork::getDuration() const {
 
 // Runs last, once the Work is done: a hook that throws is logged, as a
 // Future's callback that throws is, and changes nothing.
-void RingWork::runCompletionHook() {
+void Work::runCompletionHook() {
   if (!completionHook_) return;
   std::shared_ptr<c10d::WorkInfo> info;
   {
@@ -191,7 +191,7 @@ void RingWork::runCompletionHook() {
   }
 }
 
-void RingWork::complete(int sourceRank) {
+void Work::complete(int sourceRank) {
   markFinished();
   endProfiling();
   {
@@ -209,7 +209,7 @@ void RingWork::complete(int sourceRank) {
   runCompletionHook();
 }
 
-void RingWork::fail(std::exception_ptr error) {
+void Work::fail(std::exception_ptr error) {
   markFinished();
   endProfiling();
   {
@@ -234,11 +234,11 @@ void RingWork::fail(std::exception_ptr error) {
 // nor escape: on the worker that would be std::terminate, and done_ would
 // never be set, leaving wait() blocked. Log it as Python's add_done_callback
 // does; the callbacks after it in the Future's list do not run.
-void RingWork::settleFuture(const std::function<void()>& settle) {
+void Work::settleFuture(const std::function<void()>& settle) {
   // A callback may block in torch's Future::wait() (no hook there): on a p2p
   // engine thread, make sure another thread polls meanwhile, as wait() does.
   if (futureTaken_.load(std::memory_order_relaxed)) beforeBlocking(/*certain=*/false);
-  const RingWork* outer = tSettling;
+  const Work* outer = tSettling;
   tSettling = this;
   auto restore = c10::make_scope_exit([outer] { tSettling = outer; });
   try {

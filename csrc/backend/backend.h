@@ -1,8 +1,8 @@
-// RingBackend: the c10d::Backend behind backend="ringreduce", an adapter.
+// Backend: the c10d::Backend behind backend="ringreduce", an adapter.
 //
 // Each collective method validates its arguments on the calling thread (bad
 // input raises at once, naming rank, op and tensor), numbers the op, builds a
-// RingWork and hands a closure to the group's OpExecutor (op_executor.h),
+// Work and hands a closure to the group's OpExecutor (op_executor.h),
 // which runs the algorithms over the transport in issue order. Every rank
 // issues collectives in the same order, so the per-op sequence number names
 // an op across ranks. Point-to-point ops bypass the executor and go straight
@@ -22,7 +22,7 @@
 
 #include "algorithms/comm.h"
 #include "backend/op_executor.h"
-#include "backend/ring_work.h"
+#include "backend/work.h"
 #include "transport/traffic.h"
 #include "transport/transport.h"
 
@@ -40,21 +40,21 @@ class WaitPolicy;
 
 // This backend's options (getBackendOptions): torch's, with a type of its own
 // so Python can copy it (split_group deep-copies the parent's).
-struct RingOptions : c10d::Backend::Options {
-  explicit RingOptions(std::chrono::milliseconds timeout = ::kBackendDefaultTimeout)
+struct BackendOptions : c10d::Backend::Options {
+  explicit BackendOptions(std::chrono::milliseconds timeout = ::kBackendDefaultTimeout)
       : Options("ringreduce", timeout) {}
 };
 
-class RingBackend : public c10d::Backend {
+class Backend : public c10d::Backend {
  public:
   // Use create() (public only for make_intrusive): it hands the executor the
   // weak reference its threads hold the backend through, and starts it.
-  RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+  Backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
               std::chrono::milliseconds timeout);
-  static c10::intrusive_ptr<RingBackend> create(const c10::intrusive_ptr<c10d::Store>& store,
+  static c10::intrusive_ptr<Backend> create(const c10::intrusive_ptr<c10d::Store>& store,
                                                 int rank, int size,
                                                 std::chrono::milliseconds timeout);
-  ~RingBackend() override;
+  ~Backend() override;
   // The last strong reference is gone: shut down now. The object itself goes
   // with the last weak one (an executor thread or a helping wait() that was
   // running a callback which dropped that reference).
@@ -123,7 +123,7 @@ class RingBackend : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   // Every Work as it is created: the completion hook, and the list
   // waitForPendingWorks reads (a mutex and a weak reference per op).
-  void track(const c10::intrusive_ptr<RingWork>& work);
+  void track(const c10::intrusive_ptr<Work>& work);
 
   // torch's hooks. Every Work is timed (getDuration: from the op's start to
   // its end), so enabling the timing changes nothing. The onCompletion hook
@@ -246,11 +246,11 @@ class RingBackend : public c10d::Backend {
   // Works not yet seen completed (track, waitForPendingWorks); completed ones
   // are dropped as new ones come.
   std::mutex trackedMu_;
-  std::vector<c10::weak_intrusive_ptr<RingWork>> tracked_;  // guarded by trackedMu_
+  std::vector<c10::weak_intrusive_ptr<Work>> tracked_;  // guarded by trackedMu_
   size_t pruneAt_ = 64;                                      // guarded by trackedMu_
   // Between startCoalescing and endCoalescing: the Works issued (guarded by trackedMu_).
   bool coalescing_ = false;
-  std::vector<c10::intrusive_ptr<RingWork>> coalesced_;
+  std::vector<c10::intrusive_ptr<Work>> coalesced_;
   // The last split (split): torch calls it once per device type for one
   // backend. Weak: the new group is its users' to destroy. Its store is kept
   // alive by it, so the address is not reused while it lives.

@@ -1,8 +1,8 @@
-// RingBackend: construction, shutdown and what the bindings ask of a group.
+// Backend: construction, shutdown and what the bindings ask of a group.
 // Issuing an op is in issue.cpp (the executor that runs it: op_executor.cpp),
 // point-to-point and the barriers in collectives_p2p.cpp, the collectives in
 // collectives*.cpp.
-#include "backend/ring_backend.h"
+#include "backend/backend.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -30,7 +30,7 @@ AllreduceAlgorithm allreduceFromEnv() {
 
 }  // namespace
 
-RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+Backend::Backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                          std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size), timeout_(timeout), store_(store) {
   TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "[ringreduce] invalid rank ", rank,
@@ -49,24 +49,24 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   // The first worker starts in create(), once it can hold a weak reference.
 }
 
-c10::intrusive_ptr<RingBackend> RingBackend::create(const c10::intrusive_ptr<c10d::Store>& store,
+c10::intrusive_ptr<Backend> Backend::create(const c10::intrusive_ptr<c10d::Store>& store,
                                                     int rank, int size,
                                                     std::chrono::milliseconds timeout) {
-  auto backend = c10::make_intrusive<RingBackend>(store, rank, size, timeout);
-  backend->executor_.start(c10::weak_intrusive_ptr<RingBackend>(backend));
+  auto backend = c10::make_intrusive<Backend>(store, rank, size, timeout);
+  backend->executor_.start(c10::weak_intrusive_ptr<Backend>(backend));
   return backend;
 }
 
-RingBackend::~RingBackend() {
+Backend::~Backend() {
   shutdown();
 }
 
-void RingBackend::release_resources() {
+void Backend::release_resources() {
   shutdown();
   executor_.releaseOwner();
 }
 
-void RingBackend::shutdown() {
+void Backend::shutdown() {
   // The threads ended below may free a caller's tensor, which needs the GIL:
   // never wait for them holding it (common/gil.h).
   ReleaseGilIfHeld noGil;
@@ -97,7 +97,7 @@ void RingBackend::shutdown() {
   OpExecutor::endThreads(std::move(stop.threads));
 }
 
-std::function<void()> RingBackend::gpuWaitCheck(const OpInfo& op) const {
+std::function<void()> Backend::gpuWaitCheck(const OpInfo& op) const {
   return [this, &op] {
     const std::string reason = transport_->abortReason();
     if (!reason.empty()) throwTransportError(unusable(op, reason));
@@ -110,12 +110,12 @@ std::function<void()> RingBackend::gpuWaitCheck(const OpInfo& op) const {
   };
 }
 
-void RingBackend::abort() {
+void Backend::abort() {
   transport_->abort(rankPrefix(getRank(), getSize()) + " abort() was called");
   shutdown();
 }
 
-c10::intrusive_ptr<c10d::Backend> RingBackend::shrink(const std::vector<int64_t>& ranksToExclude,
+c10::intrusive_ptr<c10d::Backend> Backend::shrink(const std::vector<int64_t>& ranksToExclude,
                                                      int shrinkFlags,
                                                      const c10::intrusive_ptr<Options>&) {
   const std::string what = rankPrefix(getRank(), getSize()) + " shrink_group";
@@ -144,10 +144,10 @@ c10::intrusive_ptr<c10d::Backend> RingBackend::shrink(const std::vector<int64_t>
   }
   waitForPendingWorks();  // they have failed (SHRINK_ABORT) or complete or fail now
   auto store = c10::make_intrusive<c10d::PrefixStore>(key + "/", store_);
-  return RingBackend::create(store, newRank, newSize, timeout_);
+  return Backend::create(store, newRank, newSize, timeout_);
 }
 
-void RingBackend::registerOnCompletionHook(
+void Backend::registerOnCompletionHook(
     std::function<void(std::shared_ptr<c10d::WorkInfo>)>&& hook) {
   TORCH_CHECK_VALUE(!onCompletionHook_, rankPrefix(getRank(), getSize()),
                     " registerOnCompletionHook: a hook is registered already (one per group)");
@@ -156,14 +156,14 @@ void RingBackend::registerOnCompletionHook(
   onCompletionHook_ = std::move(hook);
 }
 
-void RingBackend::track(const c10::intrusive_ptr<RingWork>& work) {
+void Backend::track(const c10::intrusive_ptr<Work>& work) {
   if (onCompletionHook_) work->setCompletionHook(onCompletionHook_);
   std::lock_guard<std::mutex> lock(trackedMu_);
   // Pruned when it doubled since the last pruning: amortised O(1) per op even
   // with many async ops outstanding.
   if (tracked_.size() >= pruneAt_) {
     tracked_.erase(std::remove_if(tracked_.begin(), tracked_.end(),
-                                  [](const c10::weak_intrusive_ptr<RingWork>& w) {
+                                  [](const c10::weak_intrusive_ptr<Work>& w) {
                                     auto strong = w.lock();
                                     return !strong || strong->isCompleted();
                                   }),
@@ -174,7 +174,7 @@ void RingBackend::track(const c10::intrusive_ptr<RingWork>& work) {
   if (coalescing_) coalesced_.push_back(work);
 }
 
-void RingBackend::startCoalescing() {
+void Backend::startCoalescing() {
   std::lock_guard<std::mutex> lock(trackedMu_);
   TORCH_CHECK_VALUE(!coalescing_, rankPrefix(getRank(), getSize()),
                     " startCoalescing: this group is coalescing already (call endCoalescing "
@@ -183,8 +183,8 @@ void RingBackend::startCoalescing() {
   coalesced_.clear();
 }
 
-c10::intrusive_ptr<c10d::Work> RingBackend::endCoalescing() {
-  std::vector<c10::intrusive_ptr<RingWork>> works;
+c10::intrusive_ptr<c10d::Work> Backend::endCoalescing() {
+  std::vector<c10::intrusive_ptr<Work>> works;
   {
     std::lock_guard<std::mutex> lock(trackedMu_);
     TORCH_CHECK_VALUE(coalescing_, rankPrefix(getRank(), getSize()),
@@ -195,11 +195,11 @@ c10::intrusive_ptr<c10d::Work> RingBackend::endCoalescing() {
   return c10::make_intrusive<CoalescedWork>(getRank(), std::move(works));
 }
 
-c10::intrusive_ptr<c10d::Backend::Options> RingBackend::getBackendOptions() {
-  return c10::make_intrusive<RingOptions>(timeout_);
+c10::intrusive_ptr<c10d::Backend::Options> Backend::getBackendOptions() {
+  return c10::make_intrusive<BackendOptions>(timeout_);
 }
 
-c10::intrusive_ptr<c10d::Backend> RingBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
+c10::intrusive_ptr<c10d::Backend> Backend::split(const c10::intrusive_ptr<c10d::Store>& store,
                                                     const std::vector<int>& ranks,
                                                     const c10::intrusive_ptr<Options>& opts) {
   const std::string what = rankPrefix(getRank(), getSize()) + " split_group";
@@ -220,7 +220,7 @@ c10::intrusive_ptr<c10d::Backend> RingBackend::split(const c10::intrusive_ptr<c1
   }
   const std::chrono::milliseconds timeout =
       opts && opts->timeout.count() > 0 ? opts->timeout : timeout_;
-  c10::intrusive_ptr<c10d::Backend> child = RingBackend::create(
+  c10::intrusive_ptr<c10d::Backend> child = Backend::create(
       store, static_cast<int>(mine - sorted.begin()), static_cast<int>(sorted.size()), timeout);
   lastSplit_ = child;
   lastSplitStore_ = store.get();
@@ -228,8 +228,8 @@ c10::intrusive_ptr<c10d::Backend> RingBackend::split(const c10::intrusive_ptr<c1
   return child;
 }
 
-void RingBackend::waitForPendingWorks() {
-  std::vector<c10::weak_intrusive_ptr<RingWork>> works;
+void Backend::waitForPendingWorks() {
+  std::vector<c10::weak_intrusive_ptr<Work>> works;
   {
     std::lock_guard<std::mutex> lock(trackedMu_);
     works.swap(tracked_);
@@ -245,7 +245,7 @@ void RingBackend::waitForPendingWorks() {
   }
 }
 
-c10d::ErrorType RingBackend::getError() {
+c10d::ErrorType Backend::getError() {
   switch (transport_->mesh().failure()) {
     case Mesh::Failure::kTimeout: return c10d::ErrorType::TIMEOUT;
     case Mesh::Failure::kLocal: return c10d::ErrorType::COMM_ERROR;
@@ -255,39 +255,39 @@ c10d::ErrorType RingBackend::getError() {
   return c10d::ErrorType::SUCCESS;
 }
 
-std::chrono::milliseconds RingBackend::effective(std::chrono::milliseconds opTimeout) const {
+std::chrono::milliseconds Backend::effective(std::chrono::milliseconds opTimeout) const {
   return opTimeout == c10d::kUnsetTimeout ? timeout_ : opTimeout;
 }
 
-uint64_t RingBackend::getSequenceNumberForGroup() {
+uint64_t Backend::getSequenceNumberForGroup() {
   return seq_.load();
 }
 
-std::string RingBackend::transportKind(const std::string& device) const {
+std::string Backend::transportKind(const std::string& device) const {
   if (device == "cuda") return cudaPathName();
   TORCH_CHECK_VALUE(device == "cpu", "[ringreduce] transport_kind: unknown device '", device,
                     "' (expected 'cpu' or 'cuda')");
   return transport_->name();
 }
 
-const WaitPolicy& RingBackend::waitPolicy() const {
+const WaitPolicy& Backend::waitPolicy() const {
   return transport_->mesh().waitPolicy();
 }
 
-void RingBackend::resetStats() {
+void Backend::resetStats() {
   traffic_->reset();
   transport_->mesh().waitPolicy().resetSummary();
 }
 
-std::string RingBackend::listenAddress() const {
+std::string Backend::listenAddress() const {
   return transport_->mesh().listenAddress();
 }
 
-std::vector<std::string> RingBackend::refusedConnections() const {
+std::vector<std::string> Backend::refusedConnections() const {
   return transport_->mesh().refusedConnections();
 }
 
-uint64_t RingBackend::refusedCount() const {
+uint64_t Backend::refusedCount() const {
   return transport_->mesh().refusedCount();
 }
 

@@ -17,12 +17,12 @@
 
 namespace ringreduce {
 
-class RingWork : public c10d::Work {
+class Work : public c10d::Work {
  public:
   // `profiled`: the tensors a profiler trace shows as the op's inputs (the
   // outputs when empty); the op appears as "ringreduce:<op>" in torch.profiler
   // and torch.autograd.profiler traces, as gloo's do as "gloo:<op>".
-  RingWork(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs,
+  Work(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs,
            DeviceStage stage = {}, const std::vector<at::Tensor>& profiled = {});
 
   bool isCompleted() override;
@@ -58,14 +58,14 @@ class RingWork : public c10d::Work {
 
   DeviceStage& stage() { return stage_; }
   // The backend's count of Works being settled whose Future was taken
-  // (RingBackend::settle): settle() calls lookedForFuture(), which marks the
+  // (Backend::settle): settle() calls lookedForFuture(), which marks the
   // look and then reads whether the Future was taken; a getFuture() after
   // that look and before the Work is settled calls the hook (set once,
   // before the Work is returned), which counts it late. Both orders are
   // sequentially consistent (Dekker): the look or the hook sees the Future
   // taken, and counted (guarded by the backend's lock) says whether one of
   // them already counted it.
-  void setLateTaken(std::function<void(RingWork*)> hook) { lateTaken_ = std::move(hook); }
+  void setLateTaken(std::function<void(Work*)> hook) { lateTaken_ = std::move(hook); }
   bool lookedForFuture() {
     looked_.store(1);
     return futureTaken_.load();
@@ -79,9 +79,9 @@ class RingWork : public c10d::Work {
 
   // What wait() (without a timeout) calls before it blocks: runs this op, and
   // those queued before it, on the waiting thread when the worker is idle
-  // (RingBackend::runQueuedUntil), saving the two thread hand-offs of an
+  // (Backend::runQueuedUntil), saving the two thread hand-offs of an
   // async op waited for at once. Set once, before the work is returned.
-  void setHelper(std::function<void(RingWork*)> helper) { helper_ = std::move(helper); }
+  void setHelper(std::function<void(Work*)> helper) { helper_ = std::move(helper); }
 
   // Called once, by the thread that ran the op; ends the profiler's event.
   void complete(int sourceRank = -1);
@@ -96,7 +96,7 @@ class RingWork : public c10d::Work {
   void markFinished();
   void runCompletionHook();
 
-  std::function<void(RingWork*)> helper_;
+  std::function<void(Work*)> helper_;
   CompletionHook completionHook_;
   const OpContext ctx_;
   std::vector<at::Tensor> outputs_;
@@ -105,7 +105,7 @@ class RingWork : public c10d::Work {
   // getFuture() was called: the Future may have callbacks, and one may block
   // in torch's Future::wait(), which does not pass through wait() here.
   std::atomic<bool> futureTaken_{false};
-  std::function<void(RingWork*)> lateTaken_;
+  std::function<void(Work*)> lateTaken_;
   std::atomic<int> looked_{0};  // 0: settle() has not looked; 1: looked; 2: settled
   // Locking: doneMu_ guards done_, sourceRank_ and error_ (doneCv_ waits on
   // it). It is never held while the Future completes: its callbacks run
