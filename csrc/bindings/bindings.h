@@ -1,5 +1,5 @@
 // The Python module torch_ringreduce._C, bound by area: the backend and what
-// it reports (bind_backend.cpp), the SyncBatchNorm kernels and fused op
+// it reports (bind_backend.cpp), the SyncBatchNorm kernels and training pass
 // (bind_syncbn.cpp), and the hooks and internals the tests and scripts reach
 // (bind_testing.cpp, names starting with "_").
 #pragma once
