@@ -266,11 +266,14 @@ def _counted(fn, name, calls):
     return counted
 
 
-def run_cases_with_kernels(ctx, cases, kernels, count_unknown=False):
-    """Remote: run_cases (or run_cases_count_unknown) with the training pass on
-    `kernels` (KERNEL_SETS); the results, and {kernel name: calls} on this rank."""
+def run_cases_with_kernels(ctx, cases, kernels, count_unknown=False, on_gloo=False):
+    """Remote: run_cases (or run_cases_count_unknown, or run_cases_on_gloo) with the
+    training pass on `kernels` (KERNEL_SETS); the results, and {kernel name: calls}
+    on this rank."""
+    run = run_cases_on_gloo if on_gloo else run_cases_count_unknown if count_unknown \
+        else run_cases
     with kernels_used(kernels) as calls:
-        results = (run_cases_count_unknown if count_unknown else run_cases)(ctx, cases)
+        results = run(ctx, cases)
     return results, dict(calls)
 
 

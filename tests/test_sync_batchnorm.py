@@ -487,6 +487,24 @@ def test_cuda_numerics_large_mean_recentred(worlds, group):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("group", sorted(CUDA_GROUPS))
+def test_cuda_reference_kernels(worlds, group):
+    """The one training pass on CUDA tensors with the pure-torch kernels (the pass
+    of a CPU-only build on a GPU): the pass must read no device memory through a
+    host pointer, and backward calls the Python kernels from autograd's device
+    thread. SWEEP and LARGE_MEAN against the same oracles as the compiled kernels."""
+    for cases, check in ((_on_cuda(SWEEP), "sweep"), (_on_cuda(LARGE_MEAN), "large mean")):
+        per_rank = worlds.run(4, run_cases_with_kernels, cases, "reference", False,
+                              group == "gloo")
+        results = _ran_on(per_rank, "reference", steps=len(cases))
+        if check == "large mean":
+            _assert_large_mean(cases, results, f"cuda reference {group}")
+            continue
+        for case, result in zip(cases, _merge(results)):
+            _assert_case(result, case, TOL[case.dtype], 4, f"cuda reference {group}")
+
+
+@pytest.mark.cuda
 def test_cuda_numerics_large_mean(worlds):
     got = {ratio: worlds.run(4, numerics, ratio, device="cuda")[0] for ratio in (1e3, 1e4)}
     for ratio, v in got.items():
@@ -713,6 +731,7 @@ def test_kernel_source_and_reference_env(monkeypatch):
 
     steps = sync_batchnorm.KERNEL_NAMES
     ext = _extension.load()
+    monkeypatch.delenv("RINGREDUCE_SYNCBN_REFERENCE", raising=False)
     sync_batchnorm._kernels.cache_clear()
     try:
         assert kernel_source("cpu") == {**{k: "_C" for k in steps}, "sync_batch_norm_train": "_C"}
