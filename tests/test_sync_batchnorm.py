@@ -701,8 +701,9 @@ def test_kernel_table_takes_a_pack_of_any_strides():
 
 def test_kernel_table_rejects_incomplete_or_wrong_kernels():
     """An object without the five kernels is refused before any step runs; a
-    kernel whose pack the pass cannot all-reduce (or read on the host) raises,
-    naming the kernel."""
+    kernel's own exception reaches the caller as itself, from forward and from
+    backward; a kernel whose pack the pass cannot all-reduce (or read on the
+    host) raises, naming the kernel."""
     import types
 
     from torch_ringreduce import sync_batchnorm
@@ -717,6 +718,12 @@ def test_kernel_table_rejects_incomplete_or_wrong_kernels():
                                            r"of shape \[2, 3\] on cpu; the pass needs a "
                                            r"float64 \[3, 3\] one"):
         _train_steps(short, steps=1)
+    def boom(*args):
+        raise KeyError("a kernel's own error")
+
+    for step in ("bn_stats_pack", "bn_backward_elemt"):  # in forward, and through autograd
+        with pytest.raises(KeyError, match="a kernel's own error"):
+            _train_steps(types.SimpleNamespace(**{**five, step: boom}), steps=1)
     floats = types.SimpleNamespace(**{**five, "bn_backward_reduce":
                                       lambda *args: ref_kernels.bn_backward_reduce(*args).float()})
     with pytest.raises(RuntimeError, match="bn_backward_reduce returned a Float tensor"):
