@@ -8,7 +8,9 @@ the same collectives. The loss is the sum of the outputs over the first half
 of the global batch, so ranks holding only the second half backpropagate zeros.
 """
 import collections
+import contextlib
 import dataclasses
+import types
 
 import torch
 import torch.distributed as dist
@@ -228,22 +230,51 @@ def run_cases_count_unknown(ctx, cases):
         sync_batchnorm._reads_count_on_host = reads
 
 
-def run_cases_python_function(ctx, cases, reference):
-    """Remote: run_cases through the Python autograd.Function (the path of a device
-    the fused C++ op does not cover), on the compiled or the reference kernels."""
-    import types
+KERNEL_SETS = ("compiled", "reference")
 
+
+@contextlib.contextmanager
+def kernels_used(which):
+    """SyncBatchNorm's one training pass on `which` kernels in this process:
+    "compiled" (_C's, the pass's default) or "reference" (_syncbn_reference's,
+    the kernels of a device the build does not cover, handed to the C++ pass
+    through call counters). Yields {kernel name: calls} (empty for compiled),
+    which shows the reference kernels did run."""
     from torch_ringreduce import _syncbn_reference, sync_batchnorm
 
-    kernels = sync_batchnorm._kernels
-    compiled = kernels("cpu")
-    names = sync_batchnorm.KERNEL_NAMES
-    chosen = {n: getattr(_syncbn_reference if reference else compiled, n) for n in names}
-    sync_batchnorm._kernels = lambda device_type: types.SimpleNamespace(fused=None, **chosen)
+    calls = collections.Counter()
+    kernels = None
+    if which == "reference":
+        kernels = types.SimpleNamespace(**{
+            name: _counted(getattr(_syncbn_reference, name), name, calls)
+            for name in sync_batchnorm.KERNEL_NAMES})
+    elif which != "compiled":
+        raise ValueError(f"kernels {which!r}: one of {KERNEL_SETS}")
+    saved = sync_batchnorm._kernels
+    sync_batchnorm._kernels = lambda device_type: kernels
     try:
-        return run_cases(ctx, cases)
+        yield calls
     finally:
-        sync_batchnorm._kernels = kernels
+        sync_batchnorm._kernels = saved
+
+
+def _counted(fn, name, calls):
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def run_cases_with_kernels(ctx, cases, kernels, count_unknown=False, on_gloo=False):
+    """Remote: run_cases (or run_cases_count_unknown, or run_cases_on_gloo) with the
+    training pass on `kernels` (KERNEL_SETS); the results, and {kernel name: calls}
+    on this rank."""
+    run = run_cases_on_gloo if on_gloo else run_cases_count_unknown if count_unknown \
+        else run_cases
+    with kernels_used(kernels) as calls:
+        results = run(ctx, cases)
+    return results, dict(calls)
 
 
 def run_subgroups(ctx, cases):
@@ -324,34 +355,24 @@ def integer_input(ctx):
     return outcome + (t.item(),)
 
 
-def recentre_disagreement(ctx, python_function):
+def recentre_disagreement(ctx, kernels):
     """Remote (2 ranks): rank 0 trains a float64 SyncBatchNorm on a batch whose
     mean is 1e3 std, rank 1 a float32 one (float64 recentres from |mean|/std ~ 32,
     the others from ~ 3e4), and then issues an all-reduce of the size of rank 0's
     second one, as a backend that pairs mismatched collectives would. Rank 0's
-    error, or None."""
-    import types
-
-    from torch_ringreduce import sync_batchnorm
-
-    kernels = sync_batchnorm._kernels
-    if python_function:
-        chosen = {n: getattr(kernels("cpu"), n) for n in sync_batchnorm.KERNEL_NAMES}
-        sync_batchnorm._kernels = lambda device_type: types.SimpleNamespace(fused=None,
-                                                                            **chosen)
+    error, or None. The training pass runs on `kernels` (KERNEL_SETS)."""
     channels = 3
     dtype = torch.float64 if ctx.rank == 0 else torch.float32
     bn = SyncBatchNorm(channels).to(dtype)
     x = make_batch(11 + ctx.rank, 6, (channels,), mean=1e3, dtype=dtype)
     try:
-        bn(x)
+        with kernels_used(kernels):
+            bn(x)
         if ctx.rank == 1:
             dist.all_reduce(torch.zeros(2 * channels + 1, dtype=torch.float64))
         return None
     except RuntimeError as err:
         return str(err)
-    finally:
-        sync_batchnorm._kernels = kernels
 
 
 def numerics(ctx, ratio, channels=8, per_rank=16, device="cpu"):

@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 import torch_ringreduce
-from _syncbn_cases import (Case, compare, compare_kernels, even_sizes, float32_ill_conditioned,
-                           make_batch, numerics, integer_input, one_value_error, recentre_disagreement, run_cases, run_cases_count_unknown,
-                           run_cases_on_gloo, run_cases_python_function, run_subgroups)
+from _syncbn_cases import (KERNEL_SETS, Case, compare, compare_kernels, even_sizes,
+                           float32_ill_conditioned, integer_input, kernels_used, make_batch,
+                           numerics, one_value_error, recentre_disagreement, run_cases,
+                           run_cases_count_unknown, run_cases_on_gloo, run_cases_with_kernels,
+                           run_subgroups)
 from torch_ringreduce import _syncbn_reference as ref_kernels
 from torch_ringreduce.sync_batchnorm import SyncBatchNorm, kernel_source, revert_sync_batchnorm
 
@@ -103,23 +105,39 @@ def test_shapes_layouts_dtypes_modes(worlds):
         _assert_case(result, case, TOL[case.dtype], 4)
 
 
-def test_host_sync_free_path(worlds):
+def _ran_on(per_rank, kernels, steps=1):
+    """[rank] (results, {kernel: calls}) -> [rank] results, after checking that the
+    reference kernels ran (every one, on every rank) when they were asked for."""
+    for rank, (_, calls) in enumerate(per_rank):
+        if kernels == "reference":
+            short = {name: n for name, n in calls.items() if n < steps}
+            assert len(calls) == 5 and not short, f"rank {rank}: reference kernel calls {calls}"
+        else:
+            assert not calls, calls
+    return [results for results, _ in per_rank]
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_host_sync_free_path(worlds, kernels):
     """The CUDA path (global count never read on the host), exercised on CPU tensors:
-    uneven, empty and all-empty batches, momentum=None."""
+    uneven, empty and all-empty batches, momentum=None. On the reference kernels
+    this is the pass of a CUDA tensor in a CPU-only build."""
     cases = [Case(UNEVEN, (6,)), Case([0, 0, 0, 0], (6, 2), steps=2),
              Case([3, 1, 0, 4], (5, 2, 2), momentum=None, steps=3, channels_last=True)]
-    results = _merge(worlds.run(4, run_cases_count_unknown, cases))
+    per_rank = worlds.run(4, run_cases_with_kernels, cases, kernels, True)
+    results = _merge(_ran_on(per_rank, kernels, steps=6))
     for case, result in zip(cases, results):
-        _assert_case(result, case, TOL[case.dtype], 4)
+        _assert_case(result, case, TOL[case.dtype], 4, kernels)
 
 
-@pytest.mark.parametrize("reference", [False, True], ids=["compiled", "reference"])
-def test_python_function_path(worlds, reference):
-    """The Python autograd.Function (used where the fused C++ op is not built for the
-    device), on the compiled and on the pure-torch kernels: the same sweep."""
-    results = _merge(worlds.run(4, run_cases_python_function, SWEEP, reference))
+def test_reference_kernels_path(worlds):
+    """The one training pass on the pure-torch kernels (a device the compiled ones do
+    not cover, or RINGREDUCE_SYNCBN_REFERENCE=1): the sweep the compiled kernels
+    pass (test_shapes_layouts_dtypes_modes), against the same nn oracle."""
+    per_rank = worlds.run(4, run_cases_with_kernels, SWEEP, "reference")
+    results = _merge(_ran_on(per_rank, "reference", steps=len(SWEEP)))
     for case, result in zip(SWEEP, results):
-        _assert_case(result, case, TOL[case.dtype], 4, "python function")
+        _assert_case(result, case, TOL[case.dtype], 4, "reference kernels")
 
 
 def test_one_collective_per_pass(worlds):
@@ -284,18 +302,17 @@ def _assert_large_mean(cases, results, label):
         assert result["calls"]["forward"] == ([2] if recentred else [1]), (result["calls"], case)
 
 
-@pytest.mark.parametrize("path", ["fused", "count_unknown", "python", "reference"])
+@pytest.mark.parametrize("path", ["compiled", "count_unknown", "reference",
+                                  "reference-count_unknown"])
 def test_numerics_large_mean_recentred(worlds, path):
     """|mean| >> std, float64 to 1e8: as exact as nn.BatchNorm on the whole batch.
     The pack's P2 - P1 * mean cancels (relative error 1e-16 (mean/std)^2); such
     channels take a second, centred all-reduce, and only they (before: y off by
     6.2e-8 at 1e4, 2.9e-4 at 1e6, 1.4e3 at 1e8)."""
-    if path in ("python", "reference"):
-        results = worlds.run(4, run_cases_python_function, LARGE_MEAN, path == "reference")
-    else:
-        results = worlds.run(4, run_cases if path == "fused" else run_cases_count_unknown,
-                             LARGE_MEAN)
-    _assert_large_mean(LARGE_MEAN, results, path)
+    kernels = "reference" if path.startswith("reference") else "compiled"
+    per_rank = worlds.run(4, run_cases_with_kernels, LARGE_MEAN, kernels,
+                          path.endswith("count_unknown"))
+    _assert_large_mean(LARGE_MEAN, _ran_on(per_rank, kernels), path)
 
 
 def test_float32_constant_and_far_off_channels_recentred(worlds):
@@ -312,11 +329,11 @@ def test_float32_constant_and_far_off_channels_recentred(worlds):
                                        msg=lambda m, n=name, r=rank: f"rank {r}, {n}: {m}")
 
 
-@pytest.mark.parametrize("path", ["fused", "python"])
-def test_recentring_disagreement_raises(worlds, path):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_recentring_disagreement_raises(worlds, kernels):
     """A rank whose second all-reduce met another collective of its size raises,
     naming itself, instead of using (and handing out) mixed sums."""
-    got = worlds.run(2, recentre_disagreement, path == "python")
+    got = worlds.run(2, recentre_disagreement, kernels)
     assert got[1] is None, got
     assert got[0] is not None and "SyncBatchNorm on rank 0" in got[0] and \
         "disagreed on whether to recentre" in got[0] and "marker 1, want 2" in got[0], got
@@ -470,6 +487,24 @@ def test_cuda_numerics_large_mean_recentred(worlds, group):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("group", sorted(CUDA_GROUPS))
+def test_cuda_reference_kernels(worlds, group):
+    """The one training pass on CUDA tensors with the pure-torch kernels (the pass
+    of a CPU-only build on a GPU): the pass must read no device memory through a
+    host pointer, and backward calls the Python kernels from autograd's device
+    thread. SWEEP and LARGE_MEAN against the same oracles as the compiled kernels."""
+    for cases, check in ((_on_cuda(SWEEP), "sweep"), (_on_cuda(LARGE_MEAN), "large mean")):
+        per_rank = worlds.run(4, run_cases_with_kernels, cases, "reference", False,
+                              group == "gloo")
+        results = _ran_on(per_rank, "reference", steps=len(cases))
+        if check == "large mean":
+            _assert_large_mean(cases, results, f"cuda reference {group}")
+            continue
+        for case, result in zip(cases, _merge(results)):
+            _assert_case(result, case, TOL[case.dtype], 4, f"cuda reference {group}")
+
+
+@pytest.mark.cuda
 def test_cuda_numerics_large_mean(worlds):
     got = {ratio: worlds.run(4, numerics, ratio, device="cuda")[0] for ratio in (1e3, 1e4)}
     for ratio, v in got.items():
@@ -579,23 +614,20 @@ def test_avx2_build_matches_baseline_bitwise(tmp_path):
 
 # ------------------------------------------------------------------ double backward
 
-@pytest.mark.parametrize("path", ["fused", "python-compiled", "python-reference"])
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
 @pytest.mark.parametrize("dy", ["depends-on-x", "constant"])
-def test_a_second_backward_through_it_raises(monkeypatch, path, dy):
+def test_a_second_backward_through_it_raises(kernels, dy):
     """A gradient penalty through our SyncBatchNorm (create_graph=True) lost the
     batch norm's second-order term without a word: the gradients were wrong
     (found by review). The first-order gradients stay nn's; a backward through
-    them raises."""
-    import types
+    them raises, whichever kernels the pass runs (the reference ones would
+    build a graph of their own under create_graph)."""
+    with kernels_used(kernels) as calls:
+        _second_backward_raises(dy)
+    assert (len(calls) == 5) == (kernels == "reference"), calls
 
-    from torch_ringreduce import SyncBatchNorm, _syncbn_reference, sync_batchnorm
 
-    if path != "fused":
-        compiled = sync_batchnorm._kernels("cpu")
-        source = _syncbn_reference if path == "python-reference" else compiled
-        chosen = {n: getattr(source, n) for n in sync_batchnorm.KERNEL_NAMES}
-        monkeypatch.setattr(sync_batchnorm, "_kernels",
-                            lambda device_type: types.SimpleNamespace(fused=None, **chosen))
+def _second_backward_raises(dy):
     torch.manual_seed(0)
     ours, theirs = SyncBatchNorm(3).double(), nn.BatchNorm1d(3).double()
     grads = []
@@ -610,6 +642,141 @@ def test_a_second_backward_through_it_raises(monkeypatch, path, dy):
         torch.testing.assert_close(mine, nns)
     with pytest.raises(RuntimeError, match="SyncBatchNorm's backward is not differentiable"):
         sum(g.pow(2).sum() for g in grads[0]).backward()
+
+
+# ------------------------------------------------------------------ the kernel table
+
+def _train_steps(kernels, steps=3):
+    """Training steps of one SyncBatchNorm (no process group) with the pass's
+    kernels argument patched to `kernels`; every output, gradient and buffer."""
+    from torch_ringreduce import sync_batchnorm
+
+    gen = torch.Generator().manual_seed(4)
+    bn = SyncBatchNorm(3, momentum=None)
+    with torch.no_grad():
+        bn.weight.copy_(1 + torch.rand(3, generator=gen))
+        bn.bias.copy_(torch.rand(3, generator=gen))
+    out = []
+    saved = sync_batchnorm._kernels
+    sync_batchnorm._kernels = lambda device_type: kernels
+    try:
+        for step in range(steps):
+            x = (torch.randn(5, 3, 4, 2, generator=gen) * 3 + 2).contiguous(
+                memory_format=torch.channels_last if step % 2 else torch.contiguous_format)
+            x = x[:0] if step == 1 else x  # an empty batch too
+            x.requires_grad_()
+            y = bn(x)
+            y.backward(torch.randn(y.shape, generator=gen))
+            out += [y, x.grad, bn.weight.grad.clone(), bn.bias.grad.clone(),
+                    bn.running_mean.clone(), bn.running_var.clone()]
+    finally:
+        sync_batchnorm._kernels = saved
+    return out
+
+
+@pytest.mark.skipif(_compiled_kernels() is None, reason="torch_ringreduce._C has no bn_* kernels")
+def test_python_kernels_table_is_transparent():
+    """_C's own kernels handed to the pass as a Python object (each call through
+    the GIL-taking wrapper of the kernel table) give bitwise the pass's default
+    (the compiled table): the table changes which kernels run, nothing else."""
+    want = _train_steps(None)
+    got = _train_steps(_compiled_kernels())
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b), i
+
+
+def test_kernel_table_takes_a_pack_of_any_strides():
+    """A Python kernel's pack is read on the host (the count, the recentring
+    check) as the compiled kernels' contiguous one: other strides are copied."""
+    import types
+
+    from torch_ringreduce import sync_batchnorm
+
+    five = {name: getattr(ref_kernels, name) for name in sync_batchnorm.KERNEL_NAMES}
+    strided = types.SimpleNamespace(**{**five, "bn_stats_pack":
+                                       lambda x: ref_kernels.bn_stats_pack(x).t().contiguous().t()})
+    for a, b in zip(_train_steps(strided), _train_steps(ref_kernels)):
+        assert torch.equal(a, b)
+
+
+def test_kernel_table_rejects_incomplete_or_wrong_kernels():
+    """An object without the five kernels is refused before any step runs; a
+    kernel's own exception reaches the caller as itself, from forward and from
+    backward; a kernel whose pack the pass cannot all-reduce (or read on the
+    host) raises, naming the kernel."""
+    import types
+
+    from torch_ringreduce import sync_batchnorm
+
+    five = {name: getattr(ref_kernels, name) for name in sync_batchnorm.KERNEL_NAMES}
+    partial = types.SimpleNamespace(**{k: v for k, v in five.items() if k != "bn_forward"})
+    with pytest.raises(TypeError, match="has no bn_forward"):
+        _train_steps(partial, steps=1)
+    short = types.SimpleNamespace(**{**five, "bn_stats_pack":
+                                     lambda x: ref_kernels.bn_stats_pack(x)[:2]})
+    with pytest.raises(RuntimeError, match=r"kernel .*bn_stats_pack returned a Double tensor "
+                                           r"of shape \[2, 3\] on cpu; the pass needs a "
+                                           r"float64 \[3, 3\] one"):
+        _train_steps(short, steps=1)
+    def boom(*args):
+        raise KeyError("a kernel's own error")
+
+    for step in ("bn_stats_pack", "bn_backward_elemt"):  # in forward, and through autograd
+        with pytest.raises(KeyError, match="a kernel's own error"):
+            _train_steps(types.SimpleNamespace(**{**five, step: boom}), steps=1)
+    floats = types.SimpleNamespace(**{**five, "bn_backward_reduce":
+                                      lambda *args: ref_kernels.bn_backward_reduce(*args).float()})
+    with pytest.raises(RuntimeError, match="bn_backward_reduce returned a Float tensor"):
+        _train_steps(floats, steps=1)
+
+
+def test_kernel_source_and_reference_env(monkeypatch):
+    """kernel_source names the kernels the one pass runs: _C's on the CPU, the
+    reference's with RINGREDUCE_SYNCBN_REFERENCE=1 and on a device the build has
+    no kernels for; the pass itself is _C's."""
+    from torch_ringreduce import _extension, sync_batchnorm
+
+    steps = sync_batchnorm.KERNEL_NAMES
+    ext = _extension.load()
+    monkeypatch.delenv("RINGREDUCE_SYNCBN_REFERENCE", raising=False)
+    sync_batchnorm._kernels.cache_clear()
+    try:
+        assert kernel_source("cpu") == {**{k: "_C" for k in steps}, "sync_batch_norm_train": "_C"}
+        cuda = "_C" if getattr(ext, "with_cuda", False) else "reference"
+        assert set(kernel_source("cuda")[k] for k in steps) == {cuda}
+        assert set(kernel_source("meta")[k] for k in steps) == {"reference"}
+        monkeypatch.setenv("RINGREDUCE_SYNCBN_REFERENCE", "1")
+        sync_batchnorm._kernels.cache_clear()
+        got = kernel_source("cpu")
+        assert got == {**{k: "reference" for k in steps}, "sync_batch_norm_train": "_C"}, got
+    finally:
+        monkeypatch.undo()
+        sync_batchnorm._kernels.cache_clear()
+
+
+def test_training_without_the_extension_says_why(monkeypatch):
+    """When _C does not load (built against another torch), training raises the
+    ImportError naming the cause, rather than running a second implementation;
+    eval (plain batch norm) still works."""
+    from torch_ringreduce import sync_batchnorm
+
+    def broken():
+        raise ImportError("torch_ringreduce was built against torch 0.0 but torch 9.9 is "
+                          "installed; rebuild")
+
+    bn = SyncBatchNorm(3)
+    monkeypatch.setattr(sync_batchnorm, "_compiled", broken)
+    sync_batchnorm._train_op.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"SyncBatchNorm's training pass runs in "
+                                              r"torch_ringreduce._C, which does not load: "
+                                              r"torch_ringreduce was built against torch 0.0"):
+            bn(torch.randn(4, 3))
+        bn.eval()
+        torch.testing.assert_close(bn(torch.ones(2, 3)), torch.ones(2, 3) / (1 + bn.eps) ** 0.5)
+    finally:
+        monkeypatch.undo()
+        sync_batchnorm._train_op.cache_clear()
 
 
 # ------------------------------------------------------------------ odd per-channel arguments

@@ -8,7 +8,6 @@ the global batch, so every rank backpropagates a non-trivial gradient.
 Weight and bias gradients are local to each rank: summed over the ranks (as
 DDP would) they must equal the oracle's.
 """
-import contextlib
 import dataclasses
 import types
 
@@ -19,7 +18,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import torch_ringreduce
-from _syncbn_cases import CollectiveCounter
+from _syncbn_cases import KERNEL_SETS, CollectiveCounter, kernels_used
 from torch_ringreduce.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
 
 
@@ -38,7 +37,7 @@ class Case:
     members: tuple = None  # ranks of a subgroup; None: the default group
     steps: int = 1  # module cases: training steps before the checks
     transposed: bool = False  # module cases: a non-contiguous input (dims 2 and 3 swapped)
-    python_path: bool = False  # the Python autograd.Function, not the fused op
+    kernels: str = "compiled"  # the training pass's kernels: _C's, or the pure-torch "reference"
     layout: tuple = None  # (x's, g's) names in LAYOUTS: how each rank lays out its slices
     strided: bool = False  # functional cases: non-contiguous weight, bias and running stats
 
@@ -87,22 +86,6 @@ def _strided(t):
     return torch.empty_strided(t.shape, (2,), dtype=t.dtype).copy_(t)
 
 
-@contextlib.contextmanager
-def _python_function(enabled=True):
-    """SyncBatchNorm's Python autograd.Function on the compiled kernels, not the fused op."""
-    from torch_ringreduce import sync_batchnorm
-
-    kernels = sync_batchnorm._kernels
-    if enabled:
-        compiled = kernels("cpu")
-        names = {n: getattr(compiled, n) for n in sync_batchnorm.KERNEL_NAMES}
-        sync_batchnorm._kernels = lambda device_type: types.SimpleNamespace(fused=None, **names)
-    try:
-        yield
-    finally:
-        sync_batchnorm._kernels = kernels
-
-
 def _rows(case, pos):
     lo = sum(case.sizes[:pos])
     return lo, lo + case.sizes[pos]
@@ -141,7 +124,7 @@ def functional_rank(ctx, cases):
         rm, rv = (copy(rm0), copy(rv0)) if case.track else (None, None)
         counter = CollectiveCounter(group)
         counts = [counter.count()]
-        with _python_function(case.python_path):
+        with kernels_used(case.kernels) as kernel_calls:
             y = sync_batch_norm(x, rm, rv, weight, bias, True, case.momentum, case.eps, group)
             counts.append(counter.count())
             (y * g).sum().backward()
@@ -155,7 +138,8 @@ def functional_rank(ctx, cases):
         out.append({"y": y.detach(), "dx": x.grad, "rm": rm, "rv": rv, "y_eval": y_eval,
                     "dw": weight.grad if case.affine else None,
                     "db": bias.grad if case.affine else None,
-                    "calls": [after - before for before, after in zip(counts, counts[1:])]})
+                    "calls": [after - before for before, after in zip(counts, counts[1:])],
+                    "kernel_calls": dict(kernel_calls)})
     return out
 
 
@@ -168,8 +152,9 @@ def module_rank(ctx, cases):
         if pos is None:
             out.append(None)
             continue
-        with _python_function(case.python_path):
+        with kernels_used(case.kernels) as kernel_calls:
             out.append(_module_case(ctx, case, group, pos))
+        out[-1]["kernel_calls"] = dict(kernel_calls)
     return out
 
 
@@ -218,7 +203,16 @@ def _members(case, per_rank):
     return [per_rank[rank] for rank in ranks]
 
 
+def _check_kernels(case, results):
+    """The reference kernels ran (all five, on every member) when the case asked for them."""
+    for pos, r in enumerate(results):
+        ran = r["kernel_calls"]
+        assert (len(ran) == 5) if case.kernels == "reference" else not ran, \
+            f"member {pos}: kernel calls {ran} in {case}"
+
+
 def _check_functional(case, results, world_size):
+    _check_kernels(case, results)
     x_full, g_full, w, b, rm0, rv0 = _data(case)
     x = x_full.clone().requires_grad_()
     weight = w.clone().requires_grad_() if case.affine else None
@@ -265,6 +259,7 @@ def _oracle_module(case):
 
 
 def _check_module(case, results):
+    _check_kernels(case, results)
     ref = _oracle_module(case)
     where = f"in {case}"
     for step in range(case.steps):
@@ -305,7 +300,7 @@ FUNCTIONAL_CASES = {
         Case([2, 5], (3, 2, 2, 2), seed=5, dtype=torch.float64),
         Case([3, 4], (4, 3), seed=31, momentum=-0.1),  # any float, as F.batch_norm
         Case([4, 3], (4, 2, 2), seed=32, strided=True),  # stats/weight/bias not contiguous
-        Case([2, 4], (3,), seed=33, strided=True, python_path=True, momentum=0.4)],
+        Case([2, 4], (3,), seed=33, strided=True, kernels="reference", momentum=0.4)],
     3: [Case([3, 0, 6], (4, 5), seed=6),
         Case([2, 7, 1], (3, 2, 2), seed=7, momentum=0.5),
         Case([1, 1, 1], (6,), seed=8),  # one row each: 3 values per channel in all
@@ -329,13 +324,13 @@ MODULE_CASES = [
     Case([3, 5], (3, 2, 2, 3, 2), seed=11),  # 6-D
     Case([4, 0], (2, 3, 1, 2, 2, 2), seed=12, momentum=None, steps=2),  # 7-D, empty rank
     Case([2, 3], (3, 4, 2, 3, 2), seed=13, transposed=True),  # 6-D non-contiguous
-    Case([3, 4], (3, 2, 2, 3, 2), seed=14, python_path=True),  # 6-D, autograd.Function
+    Case([3, 4], (3, 2, 2, 3, 2), seed=14, kernels="reference"),  # 6-D, reference kernels
     Case([1, 4], (3, 2, 2, 2, 2), seed=15, affine=False, steps=2),
     Case([5, 2], (4, 6), seed=16, steps=2),  # 3-D
     Case([0, 6], (4, 3), seed=17, momentum=None, steps=2),  # 3-D
-    Case([3, 3], (4, 5), seed=18, python_path=True),  # 3-D
+    Case([3, 3], (4, 5), seed=18, kernels="reference"),  # 3-D
     Case([3, 4], (4, 5), seed=19, momentum=-0.5, steps=2),  # nn's update for any float
-    Case([4, 2], (3, 2, 2, 2, 2), seed=20, momentum=-0.5, python_path=True),
+    Case([4, 2], (3, 2, 2, 2, 2), seed=20, momentum=-0.5, kernels="reference"),
 ]
 
 
@@ -389,14 +384,15 @@ def _manual_batch_norm(case):
 def test_any_layout_of_input_and_grad(worlds):
     """x and the output gradient each in its own layout (channels innermost with a
     size-1 dim, C = 1, N = 1, H = W = 1, transposed, not dense, ...), through the
-    fused op and the Python autograd.Function, module and functional form, on 2 ranks,
-    against float64 batch norm written with plain ops."""
-    cases = [dataclasses.replace(c, python_path=p) for c in LAYOUT_CASES for p in (False, True)]
+    training pass on the compiled and on the reference kernels, module and functional
+    form, on 2 ranks, against float64 batch norm written with plain ops."""
+    cases = [dataclasses.replace(c, kernels=k) for c in LAYOUT_CASES for k in KERNEL_SETS]
     modules, functionals = (worlds.run(2, fn, cases) for fn in (module_rank, functional_rank))
     for i, case in enumerate(cases):
         y, dx, dw, db, rm, rv = _manual_batch_norm(case)
         for form, per_rank in (("module", modules), ("functional", functionals)):
             got = [r[i] for r in per_rank]
+            _check_kernels(case, got)
             if form == "module":
                 got = [dict(r["steps"][0], rm=r["state"]["running_mean"],
                             rv=r["state"]["running_var"], dw=r["grads"][0], db=r["grads"][1])
@@ -470,13 +466,13 @@ def test_functional_argument_errors_like_f_batch_norm():
             with pytest.raises(ValueError) as got:
                 call(torch.randn(shape))
             assert str(got.value) == str(want.value)
-    for python_path in (False, True):  # nn's message for a per-channel tensor of a wrong size
+    for kernels in KERNEL_SETS:  # nn's message for a per-channel tensor of a wrong size
         for i in range(4):
             args = [torch.zeros(3), torch.ones(3), torch.ones(3), torch.zeros(3)]
             args[i] = torch.zeros(4)
             with pytest.raises(RuntimeError) as want:
                 F.batch_norm(x, *args, training=True)
-            with _python_function(python_path), pytest.raises(RuntimeError) as got:
+            with kernels_used(kernels), pytest.raises(RuntimeError) as got:
                 sync_batch_norm(x, *args, training=True)
             assert str(got.value) == str(want.value)
     assert_close(rm, torch.zeros(3))  # no failed call touched the running stats

@@ -17,8 +17,15 @@ training pass, _sync_batch_norm_train. Training, per pass (docs/contributing.md,
 The payload does not grow with the world size; uneven and empty batches are
 exact (an empty rank still joins both all-reduces). Eval mode is plain batch
 norm with no communication, as is world size 1 or an uninitialized
-torch.distributed. The kernels are torch_ringreduce._C's where the extension has
-them for the tensor's device, else the pure-torch _syncbn_reference.
+torch.distributed.
+
+One implementation of the pass: the C++ autograd function
+torch_ringreduce._C.sync_batch_norm_train (csrc/ops/sync_batch_norm.cpp), on
+every device, over a table of the five kernels: _C's where the extension has
+them for the tensor's device, else (or with RINGREDUCE_SYNCBN_REFERENCE=1) the
+pure-torch _syncbn_reference's, called from C++ (kernel_source() says which).
+Training needs _C: when it does not load (built against another torch, say) the
+pass raises ImportError naming the cause; eval mode needs no _C.
 
 Ill-conditioned channels. The pack's variance is P2/N - mean^2, whose relative
 error is about 1e-16 (mean/std)^2. When a channel of the all-reduced pack has
@@ -45,7 +52,6 @@ the running stats through an on-device torch.where.
 """
 import functools
 import os
-import types
 
 import torch
 import torch.distributed as dist
@@ -64,7 +70,7 @@ __all__ = ["SyncBatchNorm", "revert_sync_batchnorm", "kernel_source"]
 
 KERNEL_NAMES = ("bn_stats_pack", "bn_finalize", "bn_forward", "bn_backward_reduce",
                 "bn_backward_elemt")
-FUSED_NAME = "sync_batch_norm_train"
+PASS_NAME = "sync_batch_norm_train"
 # Set to 1 to use the pure-torch kernels even where the compiled ones exist.
 REFERENCE_ENV = _env.SYNCBN_REFERENCE.name
 _BY_DIMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -73,12 +79,10 @@ _BY_DIMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.Batch
 # ------------------------------------------------------------------ kernels
 
 def _compiled():
+    """torch_ringreduce._C; ImportError (naming the cause) when it does not load."""
     from torch_ringreduce._extension import load  # never opens a build for another torch
 
-    try:
-        return load()
-    except ImportError:
-        return None
+    return load()
 
 
 def _compiled_supports(ext, device_type):
@@ -89,40 +93,41 @@ def _compiled_supports(ext, device_type):
 
 
 @functools.lru_cache(maxsize=None)
+def _train_op():
+    """_C's training pass, the one orchestration. It lives in the compiled extension
+    only: when that does not load (built against another torch, say) SyncBatchNorm
+    cannot train, and says why, rather than run a second implementation."""
+    try:
+        ext = _compiled()
+    except ImportError as err:
+        raise ImportError(f"SyncBatchNorm's training pass runs in torch_ringreduce._C, which "
+                          f"does not load: {err}", name=err.name) from err
+    return getattr(ext, PASS_NAME)
+
+
+@functools.lru_cache(maxsize=None)
 def _kernels(device_type):
-    """The five kernels for a device type: _C's where present, else the reference."""
-    ext = None if os.environ.get(REFERENCE_ENV) == "1" else _compiled()
-    use_ext = ext is not None and _compiled_supports(ext, device_type)
-    chosen = {name: getattr(ext, name) if use_ext and hasattr(ext, name)
-              else getattr(_syncbn_reference, name) for name in KERNEL_NAMES}
-    sources = {name: "_C" if chosen[name] is not getattr(_syncbn_reference, name)
-               else "reference" for name in KERNEL_NAMES}
-    # The whole training pass as one C++ autograd function, when _C has it.
-    fused = getattr(ext, FUSED_NAME, None) if use_ext else None
-    sources[FUSED_NAME] = "_C" if fused is not None else "reference"
-    return types.SimpleNamespace(sources=sources, fused=fused, **chosen)
+    """The kernels argument of the training pass on a device type: None for _C's
+    compiled ones, else the pure-torch _syncbn_reference module (a device the
+    build has no kernels for, or RINGREDUCE_SYNCBN_REFERENCE=1). The pass takes
+    any object with the five KERNEL_NAMES callables."""
+    if os.environ.get(REFERENCE_ENV) == "1":
+        return _syncbn_reference
+    return None if _compiled_supports(_compiled(), device_type) else _syncbn_reference
 
 
 def kernel_source(device="cpu"):
-    """{kernel name: "_C" or "reference"}: which implementation runs on `device`."""
-    return dict(_kernels(torch.device(device).type).sources)
+    """{step: "_C" or "reference"}: which implementation each step of the training
+    pass runs on `device`: the five kernels, and the pass itself
+    (sync_batch_norm_train, always _C's). ImportError when _C does not load."""
+    _train_op()
+    kernels = _kernels(torch.device(device).type)
+    source = "_C" if kernels is None else "reference" if kernels is _syncbn_reference \
+        else repr(kernels)
+    return {**{name: source for name in KERNEL_NAMES}, PASS_NAME: "_C"}
 
 
 # ------------------------------------------------------------------ helpers
-
-def _memory_format(x):
-    """The compiled kernels' layout decision (csrc bnInput), by the strides alone:
-    contiguous when x is (it may also be channels_last: C == 1, H == W == 1, ...),
-    else channels_last(_3d) when x is laid out so, which suggest_memory_format()
-    may deny ((N, C, H, 1) with channels innermost), else contiguous (a copy)."""
-    if x.is_contiguous():
-        return torch.contiguous_format
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
 
 _ONE_VALUE = "Expected more than 1 value per channel when training"
 
@@ -131,16 +136,6 @@ def _one_value_error(x, world_size):
     where = f" (1 value per channel over the {world_size} ranks of the group)" \
         if world_size > 1 else ""
     return ValueError(f"{_ONE_VALUE}, got input size {x.size()}{where}")
-
-
-_PER_CHANNEL = ("running_mean", "running_var", "weight", "bias")
-
-
-def _check_per_channel(channels, *tensors):
-    """nn's RuntimeError for a per-channel tensor (_PER_CHANNEL order) of a wrong size."""
-    for name, t in zip(_PER_CHANNEL, tensors):
-        if t is not None and t.numel() != channels:
-            raise RuntimeError(f"{name} should contain {channels} elements not {t.numel()}")
 
 
 _REDUCED = (torch.bfloat16, torch.float16)
@@ -178,160 +173,10 @@ def _to_stat(t, dtype):
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _all_reduce(pack, group, world_size):
-    if world_size > 1:
-        dist.all_reduce(pack, op=dist.ReduceOp.SUM, group=group)
-
-
-def _sum_pack(pack, group, world_size):
-    """(summed pack, all_on_host): the forward's one all-reduce carries the pack and
-    the number of ranks whose pack is on a GPU (the fused op's sumPack)."""
-    on_host = pack.device.type == "cpu"
-    if world_size <= 1:
-        return pack, on_host
-    flag = torch.full((1,), 0.0 if on_host else 1.0, dtype=pack.dtype, device=pack.device)
-    payload = torch.cat([pack.reshape(-1), flag])
-    _all_reduce(payload, group, world_size)
-    # A GPU rank knows the count is not 0 (its own 1 is in it) without reading it.
-    all_on_host = on_host and float(payload[-1]) == 0.0
-    return payload[:-1].view(3, -1), all_on_host
-
-
-def _ill_conditioned(x, pack, all_on_host):
-    """Whether a channel's P2 - P1 * mean cancelled more bits than the statistics
-    can spare (the fused op's rule: float64 inputs past 10 bits on every device;
-    the others past 30 bits, only when every rank's pack is on the CPU)."""
-    float64 = x.dtype == torch.float64
-    if not float64 and not all_on_host:
-        return False
-    n, s1, s2 = pack.cpu().unbind(0)
-    limit = 2.0 ** (-10 if float64 else -30)
-    s2n = s2 * n
-    ill = (n > 1) & (s2 > 0) & (s2n - s1 * s1 <= s2n * limit)
-    return bool(ill.any())
-
-
-def _recentred_stats(x, pack, eps, dtype, group, world_size, finalize):
-    """(mean, invstd, var_unbiased) from a second all-reduce of
-    [sum (x - m), sum (x - m)^2, 1] around the pack's mean m: [N, S1, S2] is a pack
-    of x - m for `finalize`, the kernels' bn_finalize (the 1 must sum to the world
-    size: see the fused op's recentredStats)."""
-    channels = x.shape[1]
-    n = pack[0]
-    m = pack[1] / n.clamp_min(1.0)
-    centred = x.to(torch.float64) - _syncbn_reference._per_channel(m, x)
-    dims = _syncbn_reference._reduce_dims(x)
-    sums = torch.cat([centred.sum(dims), centred.square().sum(dims),
-                      torch.ones(1, dtype=torch.float64, device=x.device)])
-    _all_reduce(sums, group, world_size)
-    marker = float(sums[-1])
-    if marker != max(world_size, 1):
-        rank = dist.get_rank(group) if world_size > 1 else 0
-        raise RuntimeError(
-            f"[ringreduce] SyncBatchNorm on rank {rank}: its second all-reduce (channel "
-            "statistics summed around the mean, for a batch whose |mean| dwarfs its "
-            f"std) met a different collective on another rank (marker {marker:g}, want "
-            f"{world_size}): the ranks disagreed on whether to recentre, so their first "
-            "all-reduce did not give every rank the same bits, or their inputs differ in dtype")
-    centred_pack = torch.cat([n.unsqueeze(0), sums[:2 * channels].view(2, channels)])
-    shift, invstd, unbiased = finalize(centred_pack, eps, torch.float64)
-    mean = torch.where(m.isinf(), m, m + shift)  # inf - inf is no mean
-    return mean.to(dtype), invstd.to(dtype), unbiased.to(dtype)
-
-
-def _keep_when_empty(count, batch, running):
-    """batch where the global count is non-zero, else the running value (on the device)."""
-    return torch.where(count > 0, batch, running.to(batch.dtype))
-
-
 def _reads_count_on_host(x):
-    """Whether the global count may be read on the host: free on CPU, a sync on CUDA."""
+    """Whether the pass may read the global count on the host: free on CPU, a sync on
+    CUDA (the tests force False to run the CUDA way on CPU tensors)."""
     return x.device.type == "cpu"
-
-
-def _known_count(x, count, world_size):
-    """The global values per channel when the host knows it for free, else None."""
-    if world_size == 1:
-        return x.numel() // x.shape[1] if x.shape[1] else 0
-    if _reads_count_on_host(x):
-        return int(count[0]) if count.numel() else 0
-    return None
-
-
-# ------------------------------------------------------------------ autograd
-
-class _SyncBatchNormFunction(torch.autograd.Function):
-    """x, weight, bias -> y; running stats updated in place. One collective per pass
-    (two in a forward whose channels need recentring)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked,
-                eps, momentum, group, world_size):
-        x = x.contiguous(memory_format=_memory_format(x))
-        k = _kernels(x.device.type)
-        sd = _syncbn_reference.stat_dtype(x)
-        pack, all_on_host = _sum_pack(k.bn_stats_pack(x), group, world_size)
-        count = pack[0].clone()  # a view would keep the whole [3, C] pack alive
-        if _ill_conditioned(x, pack, all_on_host):
-            mean, invstd, var_unbiased = _recentred_stats(x, pack, eps, sd, group, world_size,
-                                                          k.bn_finalize)
-        else:
-            mean, invstd, var_unbiased = k.bn_finalize(pack, eps, sd)
-        rm, rv = _to_stat(running_mean, sd), _to_stat(running_var, sd)
-        mean_up, var_up = mean, var_unbiased
-        total = _known_count(x, count, world_size)
-        if total == 1:
-            raise _one_value_error(x, world_size)
-        if total == 0:
-            rm = rv = None  # an empty batch leaves them untouched, as in nn.BatchNorm
-        elif total is None and rm is not None and rv is not None:
-            # Count unknown on the host (CUDA, several ranks): when it is 0 the
-            # batch is empty everywhere, so normalizing with rm changes nothing
-            # and the update becomes rm = (1-f) rm + f rm.
-            mean_up = _keep_when_empty(count, mean, rm)
-            var_up = _keep_when_empty(count, var_unbiased, rv)
-        y = k.bn_forward(x, mean_up, invstd, var_up, weight, bias, rm, rv,
-                         num_batches_tracked, momentum)
-        for buffer, updated in ((running_mean, rm), (running_var, rv)):
-            if updated is not None and updated is not buffer:
-                buffer.copy_(updated)  # the buffer is not in the stat dtype
-        ctx.save_for_backward(x, weight, mean, invstd, count)
-        ctx.group, ctx.world_size = group, world_size
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, mean, invstd, count = ctx.saved_tensors
-        k = _kernels(x.device.type)
-        dy = dy.contiguous(memory_format=_memory_format(x))  # x's strides: read in place
-        sums = k.bn_backward_reduce(dy, x, mean)
-        grad_x = grad_weight = grad_bias = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = (sums[1] * invstd).to(weight.dtype)  # local: DDP reduces it
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = sums[0].to(ctx.bias_dtype, copy=True)
-        if ctx.needs_input_grad[0]:  # as nn.SyncBatchNorm: no input grad, no collective
-            _all_reduce(sums, ctx.group, ctx.world_size)
-            grad_x = k.bn_backward_elemt(dy, x, mean, invstd, weight, sums, count)
-        return (*_not_twice(grad_x, grad_weight, grad_bias), None, None, None, None, None, None,
-                None)
-
-
-NOT_TWICE = ("[ringreduce] SyncBatchNorm's backward is not differentiable: a second backward "
-             "through its gradients (a gradient penalty, create_graph=True) is not supported")
-
-
-def _not_twice(*grads):
-    """Under create_graph, gradients whose grad_fn raises when a second backward
-    reaches them (torch's @once_differentiable, but also when dy is a constant):
-    the kernels and the collective are not differentiable, and a silently
-    missing second-order term would be wrong."""
-    if not torch.is_grad_enabled():
-        return grads
-    error = torch._C._functions.DelayedError(NOT_TWICE.encode(), len(grads))
-    return error(*[None if g is None else g.detach().requires_grad_() for g in grads])
 
 
 # ------------------------------------------------------------------ the training pass
@@ -351,6 +196,8 @@ def _sync_batch_norm_train(input, weight, bias, running_mean, running_var,
     collective. Plain batch norm, with no
     communication, when torch.distributed is not initialized or the group has
     one rank. nn's one-value error carries the caller's shape, as nn's does.
+    The pass is _C's (csrc/ops/sync_batch_norm.cpp) on any device, over the
+    kernels _kernels() picks for it: _C's, or the pure-torch reference.
     """
     if dist.is_available() and dist.is_initialized():
         group = process_group if process_group is not None else dist.group.WORLD
@@ -364,16 +211,12 @@ def _sync_batch_norm_train(input, weight, bias, running_mean, running_var,
     sd = torch.float64 if input.dtype == torch.float64 else torch.float32
     weight, bias = _to_stat(weight, sd), _to_stat(bias, sd)
     nbt = num_batches_tracked if running_mean is not None else None
-    fused = _kernels(input.device.type).fused
+    train = _train_op()  # ImportError naming the cause when _C does not load
+    kernels = _kernels(input.device.type)
     try:
-        if fused is not None:
-            y = fused(x, weight, bias, running_mean, running_var, nbt, eps, momentum,
-                      group if world_size > 1 else None, _reads_count_on_host(x))
-        else:
-            _check_per_channel(x.shape[1], running_mean, running_var, weight, bias)
-            y = _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var,
-                                             nbt, eps, momentum, group, world_size)
-    except ValueError as err:  # the fused op writes the sizes as [1, 3]: nn's message
+        y = train(x, weight, bias, running_mean, running_var, nbt, eps, momentum,
+                  group if world_size > 1 else None, _reads_count_on_host(x), kernels)
+    except ValueError as err:  # the pass writes the sizes as [1, 3]: nn's message
         if str(err).startswith(_ONE_VALUE):
             raise _one_value_error(input, world_size) from None
         raise

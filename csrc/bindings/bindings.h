@@ -1,5 +1,5 @@
 // The Python module torch_ringreduce._C, bound by area: the backend and what
-// it reports (bind_backend.cpp), the SyncBatchNorm kernels and fused op
+// it reports (bind_backend.cpp), the SyncBatchNorm kernels and training pass
 // (bind_syncbn.cpp), the internals tests and scripts read (bind_internals.cpp,
 // names starting with "_"), and the submodule _C._testing of the hooks only
 // the tests set (bind_testing.cpp).

@@ -1,6 +1,9 @@
-// The fused sync batch norm as one C++ autograd function (contract in
-// sync_batch_norm.h). Python's autograd.Function cost more than the kernels at
-// the sizes SyncBN runs at; here a training step makes one Python call.
+// The sync batch norm's training pass as one C++ autograd function (contract in
+// sync_batch_norm.h), over a table of kernels: the compiled ones, or Python's
+// (_syncbn_reference) where those do not cover the device. A Python
+// autograd.Function cost more than the kernels at the sizes SyncBN runs at;
+// here a training step makes one Python call (and, with Python kernels, one
+// per kernel).
 #include "ops/sync_batch_norm.h"
 
 #include <cstring>
@@ -104,7 +107,7 @@ bool illConditioned(const at::Tensor& x, const SummedPack& summed) {
   const double limit = float64 ? 0x1p-10 : 0x1p-30;
   // N var * N = P2 N - P1^2 against P2 N 2^-k; empty, single and all-zero
   // channels never count, and NaN/inf compare false. Branch-free, so the scan
-  // vectorises (the Python function evaluates the same expression).
+  // vectorises.
   bool ill = false;
   for (int64_t c = 0; c < C; ++c) {
     const double n = d[c], s1 = d[C + c], s2 = d[2 * C + c];
@@ -116,14 +119,15 @@ bool illConditioned(const at::Tensor& x, const SummedPack& summed) {
 
 // (mean, invstd, var_unbiased) from a second all-reduce of
 // [sum (x - m), sum (x - m)^2, 1] around the pack's mean m: [N, S1, S2] is a
-// pack of x - m, which bnFinalize turns into its mean (m + that) and variance
-// with the cancellation only in m's last digits. The trailing 1 must sum to the
-// group's size: a rank that did not recentre (a backend whose all-reduce gave
-// the ranks different bits) would otherwise have paired this payload with its
-// backward's [2, C] sums, silently.
+// pack of x - m, which the kernels' finalize turns into its mean (m + that)
+// and variance with the cancellation only in m's last digits. The trailing 1
+// must sum to the group's size: a rank that did not recentre (a backend whose
+// all-reduce gave the ranks different bits) would otherwise have paired this
+// payload with its backward's [2, C] sums, silently. Device-generic ATen ops
+// (the marker is read with item(), as a sync on a GPU).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> recentredStats(
     const at::Tensor& x, const at::Tensor& pack, double eps, c10::ScalarType statDtype,
-    const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group, const SyncBnKernels& kernels) {
   const int64_t C = x.size(1);
   const at::Tensor n = pack[0];
   const at::Tensor m = pack[1] / n.clamp_min(1.0);
@@ -145,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recentredStats(
               "first all-reduce did not give every rank the same bits, or their inputs "
               "differ in dtype");  // device alike: sumPack's count of GPU ranks
   const at::Tensor centredPack = at::cat({n.unsqueeze(0), sums.narrow(0, 0, 2 * C).view({2, C})});
-  auto [shift, invstd, unbiased] = bnFinalize(centredPack, eps, at::kDouble);
+  auto [shift, invstd, unbiased] = kernels.finalize(centredPack, eps, at::kDouble);
   const at::Tensor mean = at::where(m.isinf(), m, m + shift);  // inf - inf is no mean
   return {mean.to(statDtype), invstd.to(statDtype), unbiased.to(statDtype)};
 }
@@ -160,7 +164,9 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
                             const std::optional<at::Tensor>& runningVarIn,
                             const std::optional<at::Tensor>& numBatchesTracked, double eps,
                             std::optional<double> momentum,
-                            const c10::intrusive_ptr<c10d::ProcessGroup>& group, bool hostCount) {
+                            const c10::intrusive_ptr<c10d::ProcessGroup>& group, bool hostCount,
+                            const c10::intrusive_ptr<SyncBnKernels>& kernels) {
+    const SyncBnKernels& k = *kernels;
     const at::Tensor weight = orUndefined(weightIn), bias = orUndefined(biasIn);
     const at::Tensor runningMean = orUndefined(runningMeanIn), runningVar = orUndefined(runningVarIn);
     const int world = worldSize(group);
@@ -168,7 +174,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     // strides) stay as they are; any other layout is copied once.
     const at::Tensor x = bnInput(input);
     const c10::ScalarType sd = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    const SummedPack summed = sumPack(bnStatsPack(x), group);
+    const SummedPack summed = sumPack(k.statsPack(x), group);
     const at::Tensor& pack = summed.pack;
     const int64_t total = knownCount(x, pack, world, hostCount);
     TORCH_CHECK_VALUE(total != 1, "Expected more than 1 value per channel when training, got ",
@@ -177,8 +183,8 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
                                       " ranks of the group)"
                                 : std::string());
     auto [mean, invstd, varUnbiased] = illConditioned(x, summed)
-                                           ? recentredStats(x, pack, eps, sd, group)
-                                           : bnFinalize(pack, eps, sd);
+                                           ? recentredStats(x, pack, eps, sd, group, k)
+                                           : k.finalize(pack, eps, sd);
     at::Tensor rm = toStat(runningMean, sd), rv = toStat(runningVar, sd);
     at::Tensor meanUp = mean, varUp = varUnbiased;
     if (total == 0) {
@@ -191,7 +197,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
       meanUp = at::where(any, mean, rm);
       varUp = at::where(any, varUnbiased, rv);
     }
-    at::Tensor y = bnForward(x, meanUp, invstd, varUp, weightIn, biasIn, optional(rm),
+    at::Tensor y = k.forward(x, meanUp, invstd, varUp, weightIn, biasIn, optional(rm),
                              optional(rv), numBatchesTracked, momentum);
     if (rm.defined() && !rm.is_same(runningMean)) runningMean.copy_(rm);  // buffer not in sd
     if (rv.defined() && !rv.is_same(runningVar)) runningVar.copy_(rv);
@@ -201,6 +207,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     ctx->saved_data["total"] = static_cast<double>(std::max<int64_t>(total, 0));
     ctx->saved_data["group"] = group ? at::IValue::make_capsule(group) : at::IValue();
     ctx->saved_data["bias"] = bias.defined() ? at::IValue(bias.scalar_type()) : at::IValue();
+    ctx->saved_data["kernels"] = at::IValue::make_capsule(kernels);
     return y;
   }
 
@@ -214,10 +221,12 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     const auto group = g.isNone() ? c10::intrusive_ptr<c10d::ProcessGroup>()
                                   : c10::static_intrusive_pointer_cast<c10d::ProcessGroup>(g.toCapsule());
     const at::IValue& biasType = ctx->saved_data["bias"];
+    const auto kernels =
+        c10::static_intrusive_pointer_cast<SyncBnKernels>(ctx->saved_data["kernels"].toCapsule());
     const at::Tensor dy = bnGradLike(grads[0], x, "sync_batch_norm_train");  // one copy at most
     // needs_input_grad counts the tensor inputs that were present: x, weight?, bias?.
     const size_t biasEdge = weight.defined() ? 2 : 1;
-    at::Tensor sums = bnBackwardReduce(dy, x, mean);
+    at::Tensor sums = kernels->backwardReduce(dy, x, mean);
     at::Tensor gradX, gradWeight, gradBias;
     if (weight.defined() && ctx->needs_input_grad(1)) {
       gradWeight = (sums[1] * invstd).to(weight.scalar_type());  // local: DDP reduces it
@@ -227,11 +236,15 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     }
     if (ctx->needs_input_grad(0)) {  // as nn.SyncBatchNorm: no input grad, no collective
       allReduceSum(group, sums);
-      gradX = bnBackwardElemt(dy, x, mean, invstd, optional(weight), sums, count);
+      gradX = kernels->backwardElemt(dy, x, mean, invstd, optional(weight), sums, count);
     }
     notTwice(gradX, gradWeight, gradBias);
-    return {gradX, gradWeight, gradBias, at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    // One per forward argument after ctx: x, weight, bias, then eight without a gradient.
+    variable_list out(11);
+    out[0] = gradX;
+    out[1] = gradWeight;
+    out[2] = gradBias;
+    return out;
   }
 
   // The kernels are not differentiable: under create_graph the gradients are
@@ -254,6 +267,19 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
 
 }  // namespace
 
+const c10::intrusive_ptr<SyncBnKernels>& compiledSyncBnKernels() {
+  static const c10::intrusive_ptr<SyncBnKernels> compiled = [] {
+    auto k = c10::make_intrusive<SyncBnKernels>();
+    k->statsPack = bnStatsPack;
+    k->finalize = bnFinalize;
+    k->forward = bnForward;
+    k->backwardReduce = bnBackwardReduce;
+    k->backwardElemt = bnBackwardElemt;
+    return k;
+  }();
+  return compiled;
+}
+
 at::Tensor syncBatchNormTrain(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                               const std::optional<at::Tensor>& bias,
                               const std::optional<at::Tensor>& runningMean,
@@ -261,7 +287,8 @@ at::Tensor syncBatchNormTrain(const at::Tensor& x, const std::optional<at::Tenso
                               const std::optional<at::Tensor>& numBatchesTracked, double eps,
                               std::optional<double> momentum,
                               const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                              bool hostCount) {
+                              bool hostCount,
+                              const c10::intrusive_ptr<SyncBnKernels>& kernels) {
   TORCH_CHECK_VALUE(x.dim() >= 2 && x.dim() <= 5 && x.size(1) > 0, "[ringreduce] sync batch ",
                     "norm expects a 2D-5D input (N, C, ...) with C > 0, got ", x.sizes());
   TORCH_CHECK_VALUE(has(runningMean) == has(runningVar), "[ringreduce] sync batch norm: ",
@@ -273,7 +300,8 @@ at::Tensor syncBatchNormTrain(const at::Tensor& x, const std::optional<at::Tenso
   bnCheckPerChannel(orUndefined(weight), C, "weight");
   bnCheckPerChannel(orUndefined(bias), C, "bias");
   return SyncBatchNormFunction::apply(x, weight, bias, runningMean, runningVar, numBatchesTracked,
-                                      eps, momentum, group, hostCount);
+                                      eps, momentum, group, hostCount,
+                                      kernels ? kernels : compiledSyncBnKernels());
 }
 
 }  // namespace ringreduce
