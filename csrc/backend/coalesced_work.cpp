@@ -4,7 +4,7 @@
 
 namespace ringreduce {
 
-CoalescedWork::CoalescedWork(int rank, std::vector<c10::intrusive_ptr<Work>> works)
+CoalescedWork::CoalescedWork(int rank, std::vector<c10::intrusive_ptr<ringreduce::Work>> works)
     : c10d::Work(rank, c10d::OpType::COALESCED), works_(std::move(works)) {}
 
 bool CoalescedWork::isCompleted() {

@@ -15,7 +15,7 @@ namespace ringreduce {
 
 class CoalescedWork : public c10d::Work {
  public:
-  CoalescedWork(int rank, std::vector<c10::intrusive_ptr<Work>> works);
+  CoalescedWork(int rank, std::vector<c10::intrusive_ptr<ringreduce::Work>> works);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -34,7 +34,7 @@ class CoalescedWork : public c10d::Work {
   size_t size() const { return works_.size(); }
 
  private:
-  const std::vector<c10::intrusive_ptr<Work>> works_;
+  const std::vector<c10::intrusive_ptr<ringreduce::Work>> works_;
   std::mutex futureMu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // guarded by futureMu_
 };
