@@ -25,6 +25,7 @@ errors and return plain dicts, and the asserts run here. Tests that break a
 group build a fresh one with `dist.new_group` inside a shared world; tests
 that stop or kill a rank get a fresh world.
 """
+import gc
 import glob
 import os
 import re
@@ -475,6 +476,57 @@ def test_rank0_dies_after_creating_the_segment(tmp_path, backend, memfd):
     after = set(glob.glob(SHM_GLOB))
     left = sorted(name for name in after - before if f"-{pid0}-" in os.path.basename(name))
     assert not left, f"segments of the dead rank 0 (pid {pid0}) left in /dev/shm: {left}"
+
+
+def _segments_held():
+    """What of shared-memory segments this process holds: memfd mappings and
+    descriptors, and the names in /dev/shm it created."""
+    with open("/proc/self/maps") as f:
+        maps = sum("memfd:ringreduce" in line for line in f)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:ringreduce")
+        except OSError:
+            pass  # the descriptor listdir itself used
+    names = sorted(n for n in glob.glob(SHM_GLOB) if f"-{os.getpid()}-" in os.path.basename(n))
+    return {"maps": maps, "fds": fds, "names": names}
+
+
+def _fail_after_create(ctx, tag, timeout_s, memfd):
+    from torch_ringreduce import _C
+
+    os.environ["RINGREDUCE_SHM_MEMFD"] = str(memfd)  # a process of this test's own
+    gc.collect()  # groups of earlier cases that are garbage go now, not in between
+    before = _segments_held()
+    previous = _C._testing.shm_fail_after_create(ctx.rank == 0)
+    started = time.monotonic()
+    try:
+        backend = _direct_backend(ctx, tag, timeout_s, "shm")
+        info = {"constructed": backend.transport_kind()}
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        info = error_info(err, started)
+    finally:
+        _C._testing.shm_fail_after_create(previous)
+    gc.collect()
+    return {**info, "before": before, "after": _segments_held()}
+
+
+@pytest.mark.parametrize("memfd", [1, 0])
+def test_a_creator_that_fails_after_creating_the_segment_leaves_nothing(pool, memfd):
+    """A store call that throws after the segment was created (rank 0's set-up
+    here) left its mapping and its memfd (or its name in /dev/shm) in the
+    process, a few hundred MiB per failed init_process_group in a job that
+    retries. Now nothing stays, and the peers fail fast."""
+    results = pool.run(3, _fail_after_create, _tag(), SHM_SETUP_TIMEOUT_S, memfd,
+                       timeout=RUN_TIMEOUT_S)
+    first = results[0]
+    assert "after creating the segment (testing)" in first.get("msg", ""), first
+    for rank, info in enumerate(results):
+        assert "constructed" not in info, f"rank {rank} constructed a backend: {info}"
+        assert info["elapsed_s"] < SHM_SETUP_TIMEOUT_S + 1.5, (rank, info)
+        assert info["after"] == info["before"], (
+            f"rank {rank} holds segments after the failed set-up: {info}")
 
 
 def _construct_on_shm(ctx, tag):

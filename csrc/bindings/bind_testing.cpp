@@ -29,6 +29,12 @@ void bindTesting(py::module_& m) {
       [](bool on) { ringreduce::shm::hooks().dieAfterCreate = on; },
       "rank 0 SIGKILLs itself right after creating a shared-memory segment");
   t.def(
+      "shm_fail_after_create",
+      [](bool on) { return std::exchange(ringreduce::shm::hooks().failAfterCreate, on); },
+      py::arg("on"),
+      "the rank that creates its host's shared-memory segment raises right after creating "
+      "it, as a failing store call there would; returns the previous value");
+  t.def(
       "shm_staging_bytes",
       [](int64_t bytes) { return std::exchange(ringreduce::shm::hooks().stagingBytes, bytes); },
       py::arg("bytes"),

@@ -232,27 +232,45 @@ struct SetUp {
                 why.c_str());
       }
     }
-    if (m.base == nullptr) {
+    const bool named = m.base == nullptr;
+    if (named) {
       m.name = "/" + segmentPrefix() + std::to_string(::getpid()) + "-" +
                std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
-      // In the store before the segment exists: whichever rank outlives a crash unlinks it.
-      st.set(hostKey("name"), m.name, deadline, what);
-      m.base = mapNamed(m.name, layout.total, true, &m.why);
-    } else {
-      st.set(hostKey("name"), m.name, deadline, what);
     }
-    if (m.base != nullptr) {
-      auto* h = new (m.base) SegmentHeader();
-      h->magic = kSegmentMagic;
-      h->size = members.size();
-      h->ringBytes = static_cast<int64_t>(layout.ringBytes);
-      h->stagingBytes = static_cast<int64_t>(layout.stagingBytes);
-      h->abortedFrom.store(0);
-      // Doorbells and ring counters start at zero (fresh pages are zeroed).
-      if (hooks().dieAfterCreate) ::raise(SIGKILL);
+    try {
+      // A name goes in the store before the segment exists: whichever rank
+      // outlives a crash unlinks it.
+      st.set(hostKey("name"), m.name, deadline, what);
+      if (named) m.base = mapNamed(m.name, layout.total, true, &m.why);
+      if (m.base != nullptr) {
+        auto* h = new (m.base) SegmentHeader();
+        h->magic = kSegmentMagic;
+        h->size = members.size();
+        h->ringBytes = static_cast<int64_t>(layout.ringBytes);
+        h->stagingBytes = static_cast<int64_t>(layout.stagingBytes);
+        h->abortedFrom.store(0);
+        // Doorbells and ring counters start at zero (fresh pages are zeroed).
+        if (hooks().dieAfterCreate) ::raise(SIGKILL);
+        TORCH_CHECK(!hooks().failAfterCreate, prefix, " ", what,
+                    ": failed after creating the segment (testing)");
+      }
+      st.set(hostKey("created"), m.base != nullptr ? "1" : "0", deadline, what);
+    } catch (...) {
+      release(m, layout.total);  // a store call failed: nothing of it stays behind
+      throw;
     }
-    st.set(hostKey("created"), m.base != nullptr ? "1" : "0", deadline, what);
     return m;
+  }
+
+  // Gives up a segment this rank mapped or created: the mapping, the memfd,
+  // and (named, by its creator or once every rank reported) the name.
+  // Idempotent.
+  static void release(Mapped& m, size_t bytes) {
+    if (m.base != nullptr) ::munmap(m.base, bytes);
+    m.base = nullptr;
+    if (m.fd >= 0) ::close(m.fd);
+    m.fd = -1;
+    if (isNamed(m.name)) ::shm_unlink(m.name.c_str());
   }
 
   // The other ranks of the host: map the leader's segment once it says it
@@ -307,7 +325,7 @@ struct SetUp {
     if (m.fd >= 0) ::close(m.fd);
     m.fd = -1;
     if (!missing.empty()) {
-      if (m.base != nullptr) ::munmap(m.base, bytes);
+      release(m, bytes);
       throwTransportError(prefix + " " + what + ": " + missing);
     }
     if (st.add(mesh.storeKey("shm/ok"), 0, deadline, what) == size) return true;
@@ -353,8 +371,16 @@ std::unique_ptr<Transport> attach(Mesh& mesh, Transport& p2p, const Topology& to
   if (members.size() >= 2) {
     mapped = rank == setUp.leader ? setUp.createSegment(layout) : setUp.openSegment(layout);
   }
-  // 3. Whether every rank that has local peers mapped its host's segment.
-  if (!setUp.everyRankMapped(mapped, layout.total)) return nullptr;
+  // 3. Whether every rank that has local peers mapped its host's segment (a
+  // store call that throws there leaves nothing mapped either).
+  bool allMapped = false;
+  try {
+    allMapped = setUp.everyRankMapped(mapped, layout.total);
+  } catch (...) {
+    SetUp::release(mapped, layout.total);
+    throw;
+  }
+  if (!allMapped) return nullptr;
   if (mapped.base == nullptr) return nullptr;  // alone on this host
   // --8<-- [start:stores]
   const RingStores stores = hooks().ringStores == 1 ? RingStores::kStreaming

@@ -40,6 +40,9 @@ namespace shm {
 // Test seams (the fault tests set them directly; never an environment variable).
 struct ShmTestHooks {
   bool dieAfterCreate = false;  // the creator SIGKILLs itself right after creating the segment
+  // The creator's set-up throws right after creating the segment, as a
+  // failing store call there would.
+  bool failAfterCreate = false;
   // Bytes of each staging area of the two-step all-reduce in groups created
   // from now on (0: the default); every rank must set the same.
   int64_t stagingBytes = 0;
