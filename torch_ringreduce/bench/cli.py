@@ -87,6 +87,11 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None,
                    help="timed repeats per row, alternating backends; the median is reported "
                         "(default 3; --course-table: timed calls, their mean, default 5)")
+    p.add_argument("--spread", action="store_true",
+                   help="time every size's first repeat, then every size's second, and so on "
+                        "(all sizes' buffers at once): a slow second of the machine then hits "
+                        "one repeat of many rows, which their medians drop, instead of every "
+                        "repeat of one row")
     p.add_argument("--warmup", type=int, default=None,
                    help="warm-up iterations (default: adapt, at most 5; --course-table: 2)")
     p.add_argument("--target-time", type=float, default=0.3,

@@ -91,21 +91,43 @@ def measure_size(op_name, op, groups, failed, args, checker=check, ops=None):
     median repeat. Then each backend is checked on fresh inputs. `ops` gives a
     backend its own op of the same size (the one-rank floor's), else it runs `op`.
     """
-    op_of = {b: (ops or {}).get(b, op) for b in groups}
-    rows = {b: base_row(op_name, op_of[b].ctx, op_of[b].count, b, args) for b in groups}
-    for b in failed:
-        rows[b]["error"] = "skipped: raised at a smaller size"
-    plans = {b: attempt(rows[b], plan, op_of[b], g, args) for b, g in groups.items()}
-    reps = {b: [] for b in groups}
+    row = SizeRow(op_name, op, groups, failed, args, ops)
     for rep in range(args.repeats):
-        for b in list(groups)[::1 if rep % 2 == 0 else -1]:
-            if plans[b]:
-                reps[b].append(attempt(rows[b], timed_loop, op_of[b], groups[b], plans[b][0]))
-    for b, group in groups.items():
-        wrong = attempt(rows[b], checker, op_of[b], group, not args.no_check)
-        if not rows[b]["error"]:
-            fill_row(rows[b], op_of[b], reps[b], plans[b], wrong)
-    return list(rows.values())
+        row.time_repeat(rep)
+    return row.finish(checker)
+
+
+class SizeRow:
+    """One size's rows, one per backend, measured in steps: warm-up and plan
+    (on creation), one timed repeat of every backend (time_repeat), then the
+    check and the rows (finish). measure_size runs the steps in a row;
+    --spread runs every size's first repeat, then every size's second, and so
+    on, so a slow second of the machine hits one repeat of many sizes instead
+    of every repeat of one."""
+
+    def __init__(self, op_name, op, groups, failed, args, ops=None):
+        self.groups, self.args = groups, args
+        self.op_of = {b: (ops or {}).get(b, op) for b in groups}
+        self.rows = {b: base_row(op_name, self.op_of[b].ctx, self.op_of[b].count, b, args)
+                     for b in groups}
+        for b in failed:
+            self.rows[b]["error"] = "skipped: raised at a smaller size"
+        self.plans = {b: attempt(self.rows[b], plan, self.op_of[b], g, args)
+                      for b, g in groups.items()}
+        self.reps = {b: [] for b in groups}
+
+    def time_repeat(self, rep):
+        for b in list(self.groups)[::1 if rep % 2 == 0 else -1]:
+            if self.plans[b]:
+                self.reps[b].append(attempt(self.rows[b], timed_loop, self.op_of[b],
+                                            self.groups[b], self.plans[b][0]))
+
+    def finish(self, checker=check):
+        for b, group in self.groups.items():
+            wrong = attempt(self.rows[b], checker, self.op_of[b], group, not self.args.no_check)
+            if not self.rows[b]["error"]:
+                fill_row(self.rows[b], self.op_of[b], self.reps[b], self.plans[b], wrong)
+        return list(self.rows.values())
 
 
 def fill_row(row, op, reps, plan_, wrong):
@@ -272,14 +294,15 @@ def wait_summaries(ctx, groups):
 def sweep_op(op_name, ctx, groups, sizes, args, progress, refs):
     rows, failed = [], set()
     cls, itemsize = OPS[op_name], ctx.dtype.itemsize
+    counts = []
     for size in sizes:
         count = size // itemsize
         if cls.chunked:
             count -= count % ctx.n
-        if count == 0:
-            continue
-        op = cls(ctx, count)
-        line = measure_size(op_name, op, groups, failed, args)
+        if count > 0:
+            counts.append(count)
+
+    def report(op, line):
         for row in line:
             if row["error"] and row["backend"] not in failed:
                 failed.add(row["backend"])
@@ -288,7 +311,22 @@ def sweep_op(op_name, ctx, groups, sizes, args, progress, refs):
         progress.write(format_line(line))
         for text in refs.after_row(op_name, op, line, measure_size, args, groups):
             progress.write(text)
-        rows += line
+        rows.extend(line)
+
+    if args.spread:  # every size planned, then the repeats round-robin over the sizes
+        measured = []
+        for count in counts:
+            op = cls(ctx, count)
+            measured.append((op, SizeRow(op_name, op, groups, failed, args)))
+        for rep in range(args.repeats):
+            for _, row in measured:
+                row.time_repeat(rep)
+        for op, row in measured:
+            report(op, row.finish())
+        return rows
+    for count in counts:
+        op = cls(ctx, count)
+        report(op, measure_size(op_name, op, groups, failed, args))
         del op  # free this size's buffers before the next size allocates its own
     return rows
 
