@@ -5,6 +5,8 @@
     studies/     the course studies: tree against ring, DDP variants, paradigms, printing
     tools/       the Makefile's internals and the report (runs, notebooks, results page)
 
+and gpu_check.sh, the GPU machine's check (`bash scripts/gpu_check.sh quick`).
+
 Every entry point runs as a module from the repository root:
 
     python -m scripts.studies.paradigms --nproc 3

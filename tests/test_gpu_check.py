@@ -1,4 +1,4 @@
-"""scripts/tools/gpu_check.sh and its summary helper, scripts/tools/_gpu_summary.py,
+"""scripts/gpu_check.sh and its summary helper, scripts/tools/_gpu_summary.py,
 without a GPU: the script parses and its quick mode stops at once where there is none;
 the summary reads real junit XML (of a small pytest run), a pytest -v log of a pass
 stopped at its time limit, and the collective benchmark's JSON."""
@@ -14,7 +14,7 @@ import pytest
 from scripts.tools import _gpu_summary as gs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "tools", "gpu_check.sh")
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 
 VAR = "EXAMPLE_DEVICE_PATH"  # any name: the helper is told which one
 

@@ -26,12 +26,12 @@ PYTHON_VARIABLES = (SYNCBN_REFERENCE, RESULTS)
 BENCH_BUSY = EnvVar("RINGREDUCE_BENCH_BUSY", "unset",
                     "set by `python -m torch_ringreduce.bench --busy` to the number of CPU-bound processes "
                     "it runs, so its ranks and mpirun start no more", True)
-# Read when building (setup.py, the Makefile), by scripts/tools/gpu_check.sh and by the benchmarks.
+# Read when building (setup.py, the Makefile), by scripts/gpu_check.sh and by the benchmarks.
 BUILD_VARIABLES = (
     EnvVar("RINGREDUCE_CUDA", "CUDA when torch has it and nvcc is found",
            "`1` / `0` forces the CUDA / CPU build of the extension", True),
     EnvVar("RINGREDUCE_CXX", "`/usr/bin/g++` where it exists",
-           "the host compiler scripts/tools/gpu_check.sh builds the CUDA flavour with"),
+           "the host compiler scripts/gpu_check.sh builds the CUDA flavour with"),
     EnvVar("RINGREDUCE_METADATA_ONLY", "0",
            "`1` makes setup.py install the package without compiling (the Makefile's "
            "editable install after its in-place build)", True),

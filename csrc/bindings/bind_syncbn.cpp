@@ -82,21 +82,14 @@ c10::intrusive_ptr<SyncBnKernels> pythonKernels(const py::object& source) {
     py::gil_scoped_acquire gil;
     return packLike(fns->statsPack(x).cast<at::Tensor>(), x, 3, "bn_stats_pack", what);
   };
-  k->finalize = [fns](const at::Tensor& pack, double eps, c10::ScalarType dtype) {
+  // The others hand their arguments over as they come (pybind converts each).
+  k->finalize = [fns](const auto&... args) {
     py::gil_scoped_acquire gil;
-    return fns->finalize(pack, eps, dtype).cast<std::tuple<at::Tensor, at::Tensor, at::Tensor>>();
+    return fns->finalize(args...).template cast<std::tuple<at::Tensor, at::Tensor, at::Tensor>>();
   };
-  k->forward = [fns](const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
-                     const at::Tensor& varUnbiased, const std::optional<at::Tensor>& weight,
-                     const std::optional<at::Tensor>& bias,
-                     const std::optional<at::Tensor>& runningMean,
-                     const std::optional<at::Tensor>& runningVar,
-                     const std::optional<at::Tensor>& numBatchesTracked,
-                     std::optional<double> momentum) {
+  k->forward = [fns](const auto&... args) {
     py::gil_scoped_acquire gil;
-    return fns->forward(x, mean, invstd, varUnbiased, weight, bias, runningMean, runningVar,
-                        numBatchesTracked, momentum)
-        .cast<at::Tensor>();
+    return fns->forward(args...).template cast<at::Tensor>();
   };
   k->backwardReduce = [fns, what](const at::Tensor& dy, const at::Tensor& x,
                                   const at::Tensor& mean) {
@@ -104,11 +97,9 @@ c10::intrusive_ptr<SyncBnKernels> pythonKernels(const py::object& source) {
     return packLike(fns->backwardReduce(dy, x, mean).cast<at::Tensor>(), x, 2,
                     "bn_backward_reduce", what);
   };
-  k->backwardElemt = [fns](const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
-                           const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
-                           const at::Tensor& sums, const at::Tensor& count) {
+  k->backwardElemt = [fns](const auto&... args) {
     py::gil_scoped_acquire gil;
-    return fns->backwardElemt(dy, x, mean, invstd, weight, sums, count).cast<at::Tensor>();
+    return fns->backwardElemt(args...).template cast<at::Tensor>();
   };
   return k;
 }

@@ -1,4 +1,4 @@
-"""The Python half of `bash scripts/tools/gpu_check.sh quick`: the environment line, the
+"""The Python half of `bash scripts/gpu_check.sh quick`: the environment line, the
 device-path probe, and the summary of the run.
 
     python -m scripts.tools._gpu_summary env --json W/env.json   # one line: GPU, torch, CUDA, nvcc

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA checks, for a machine with a GPU (CI has none). From the repo root:
 #
-#     bash scripts/tools/gpu_check.sh              # every step below, results into results/ ($OUT when set)
-#     bash scripts/tools/gpu_check.sh build tests  # only some steps (build is implied by the others)
-#     bash scripts/tools/gpu_check.sh quick        # the short check of one device call (below)
+#     bash scripts/gpu_check.sh              # every step below, results into results/ ($OUT when set)
+#     bash scripts/gpu_check.sh build tests  # only some steps (build is implied by the others)
+#     bash scripts/gpu_check.sh quick        # the short check of one device call (below)
 #
 # quick: from a bare copy, in under 7 minutes (QUICK_BUDGET_S, default 390 s, bounds
 # it: each step's time limit is what the budget leaves it, and a step stopped at
@@ -39,7 +39,7 @@
 #               $OUT/summary.txt and $OUT/summary.json
 # Files in $OUT (6 at most): gpu_check.log (everything), build.log, junit_staging.xml,
 # junit_device.xml, summary.txt, summary.json; the rest stays in build/gpu_check_quick.
-# One device call: `bash scripts/tools/gpu_check.sh quick` with timeout_s 480 or more.
+# One device call: `bash scripts/gpu_check.sh quick` with timeout_s 480 or more.
 #
 # The other steps (a call naming none runs them all; quick is not one of them):
 #   env      the GPU, torch, CUDA and the NCCL torch loads
@@ -74,7 +74,7 @@
 # so run them in four calls there: `tests syncbn`, then `coll train`, then
 # `studies`, then `host`.
 set -uo pipefail
-cd "$(dirname "$0")/../.." || exit 1
+cd "$(dirname "$0")/.." || exit 1
 OUT_DIR="${OUT:-results}"
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
