@@ -6,10 +6,12 @@ per rank, for the whole run:
 
   centralised  0 (one process, no communication).
   serverless   one dist.all_reduce of the P-element gradient per step; the bytes
-               of one are _traffic_model.allreduce_bytes (our backend's direct
-               algorithm up to 16 KiB: (N-1)*P*e; the ring above it:
-               (2P - b_r - b_{r+1})*e sent, (2P - b_{r-1} - b_r)*e received, b_i the
-               even split of P into N blocks). Total: S times that.
+               of one are _traffic_model.allreduce_bytes, for the algorithm our
+               backend picks by size and transport (_traffic_model.allreduce_algorithm:
+               direct, (N-1)*P*e; the ring, (2P - b_r - b_{r+1})*e sent and
+               (2P - b_{r-1} - b_r)*e received, b_i the even split of P into N blocks;
+               the two-step on shared memory, the same 2(N-1)/N*P*e when N divides P).
+               Total: S times that.
   ps           per step each worker sends its gradient (P*e) to the server and
                receives the parameters (P*e); the server receives (N-1)*P*e and
                sends (N-1)*P*e. Total: S times that.
@@ -26,10 +28,11 @@ from scripts.studies._traffic_model import (allreduce_algorithm, allreduce_bytes
 
 TEXT = {
     "centralised": "0: one process, no communication",
-    "serverless": "per rank, S steps of one all_reduce of P*e bytes: ring (P*e > 16 KiB) "
-                  "sends (2P - b_r - b_{r+1})*e and receives (2P - b_{r-1} - b_r)*e per "
-                  "step, b_i the even split of P into N blocks (= 2(N-1)/N * P*e when N "
-                  "divides P); direct (P*e <= 16 KiB) sends and receives (N-1)*P*e per step",
+    "serverless": "per rank, S steps of one all_reduce of P*e bytes, by the algorithm the "
+                  "backend picks for that size and transport: the ring sends "
+                  "(2P - b_r - b_{r+1})*e and receives (2P - b_{r-1} - b_r)*e per step, b_i "
+                  "the even split of P into N blocks (= 2(N-1)/N * P*e when N divides P, as "
+                  "the two-step on shared memory); direct sends and receives (N-1)*P*e",
     "ps": "per step: each worker sends P*e and receives P*e; the server (rank 0) "
           "receives (N-1)*P*e and sends (N-1)*P*e; times S steps",
     "fedavg": "per round: each client sends (P+1)*e (its model and its sample count) and "

@@ -64,9 +64,10 @@ DEFINITIONS = {
     "payload_bytes_per_step": "bytes handed to all_reduce per step (DDP references: from a "
                               "comm hook, or from the bucket buffers)",
     "bytes_sent_per_step_closed_form": "our backend's bytes of each all_reduce call of a "
-                                       "step by its own size (scripts/studies/_traffic_model.py: "
-                                       "direct, (n-1) x the buffer, up to 16 KiB; the ring's "
-                                       "2*count - b_r - b_(r+1) elements above), summed, "
+                                       "step by its own size and the algorithm the backend "
+                                       "picks for it (scripts/studies/_traffic_model.py: "
+                                       "direct, (n-1) x the buffer; the ring's 2*count - b_r "
+                                       "- b_(r+1) elements; the two-step's), summed, "
                                        "per rank; max over ranks (bytes_received_per_step_"
                                        "closed_form: the same for bytes received)",
     "bytes_sent_per_step_textbook_ring": "2(n-1)/n of the payload: a ring for every call",

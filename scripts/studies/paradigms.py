@@ -31,12 +31,13 @@ train/test split; model --model mlp (--hidden) or logreg (scripts/studies/_parad
 
 Bytes per rank (payload only; P parameters, e = 4 bytes, N ranks, S steps, R rounds):
   centralised  0.
-  serverless   S all-reduces of P*e bytes. Our backend's all_reduce is direct at or
-               below 16 KiB (every rank sends its buffer to every other one:
-               (N-1)*P*e sent and received per step) and a ring above (2(N-1)/N*P*e
-               per step; exactly (2P - b_r - b_{r+1})*e sent and (2P - b_{r-1} -
-               b_r)*e received, b_i the even split of P into N blocks). The default
-               MLP (P = 4810 on digits, 19240 bytes) takes the ring; logreg the direct.
+  serverless   S all-reduces of P*e bytes, by the algorithm our backend picks for that
+               size and transport (scripts/studies/_traffic_model.py): direct (every
+               rank sends its buffer to every other one: (N-1)*P*e sent and received
+               per step), or the ring or, on shared memory, the two-step (2(N-1)/N*P*e
+               per step when N divides P; the ring exactly (2P - b_r - b_{r+1})*e sent
+               and (2P - b_{r-1} - b_r)*e received, b_i the even split of P into N
+               blocks). --json records the backend's choice.
   ps           worker: S*P*e sent, S*P*e received; server: (N-1)*S*P*e each way.
   fedavg       client: R*(P+1)*e sent (model + count), R*P*e received; server:
                (N-1)*R*(P+1)*e received, (N-1)*R*P*e sent.
