@@ -365,7 +365,7 @@ OpExecutor::Stopping OpExecutor::beginStop() {
 
 std::vector<std::thread> OpExecutor::failDropped(
     std::deque<Entry>& dropped, const std::function<std::exception_ptr(const Entry&)>& error) {
-  // In a row, the destroy waited forever (a callback waiting for a later op).
+  // Not simply in a row: a callback of one may wait for a later one (op_executor.h).
   std::vector<std::thread> failing;
   for (auto& e : dropped) {
     std::exception_ptr why = error(e);
