@@ -12,29 +12,42 @@ from _harness import backend_under_test
 pytestmark = pytest.mark.skipif(backend_under_test() != "ringreduce",
                                 reason="ringreduce's own hooks")
 CPU = torch.device("cpu")
-LATE_S = 0.3  # how long the late rank sleeps before joining
+LATE_S = 0.3  # how long the late rank waits after the early rank posted
 
 
 def _durations(ctx):
-    """Rank 1 joins the first all-reduce LATE_S late: rank 0's op lasts at least
-    that long. The second op has no late rank. Each duration is bounded by the
-    wall time around its call."""
+    """Rank 1 joins the first all-reduce LATE_S after rank 0 posted it: rank 0's
+    op waits for it. The second op has no late rank. Each op's start and end
+    come from the completion hook (steady clock, which time.monotonic() reads
+    on Linux, one clock for both processes)."""
     group = dist.new_group(backend="ringreduce")
     group._enable_collectives_timing()
+    spans = []
+    group._register_on_completion_hook(
+        lambda info: spans.append((info.time_started.total_seconds(),
+                                   info.time_finished.total_seconds())))
+    sync = ctx.new_store("durations")
     out = {}
     for name, late in (("late", ctx.rank == 1), ("prompt", False)):
         dist.barrier(group)
         if late:
+            sync.wait(["late-posted"], timedelta(seconds=60))
             time.sleep(LATE_S)
         t = torch.ones(1024)
-        posted_at = time.time()  # both ranks share this host's clock
-        start = time.monotonic()
+        posted = time.monotonic()
         work = dist.all_reduce(t, group=group, async_op=True)
+        if name == "late" and ctx.rank == 0:
+            sync.set("late-posted", "1")
         work.wait()
-        wall_ms = (time.monotonic() - start) * 1000
-        out[name] = {"duration_ms": work._get_duration(), "wall_ms": wall_ms,
-                     "sum": t[0].item(), "posted_at": posted_at}
+        returned = time.monotonic()
+        out[name] = {"duration_ms": work._get_duration(), "posted": posted,
+                     "returned": returned, "sum": t[0].item()}
+    deadline = time.monotonic() + 10
+    while len(spans) < 4 and time.monotonic() < deadline:  # the hook runs after wait()
+        time.sleep(0.01)
     dist.destroy_process_group(group)
+    # The hook saw the two barriers and the two all-reduces, in issue order.
+    out["late"]["span"], out["prompt"]["span"] = spans[1], spans[3]
     return out
 
 
@@ -43,13 +56,19 @@ def test_work_duration_is_the_ops_time(worlds):
     for rank, out in enumerate(results):
         for name, res in out.items():
             assert res["sum"] == 2.0, (rank, out)
-            assert 0 < res["duration_ms"] <= res["wall_ms"] + 1, (rank, name, out)
-    # Rank 0 waited inside its op until rank 1 posted, LATE_S after leaving the
-    # barrier (which the ranks leave at different moments): from its own post
-    # to rank 1's, less a little for the clock reads.
-    late = results[0]["late"]
-    waited_ms = (results[1]["late"]["posted_at"] - late["posted_at"]) * 1000
-    assert late["duration_ms"] >= waited_ms - 2, results
+            started, finished = res["span"]
+            # The duration is the span the hook reports, within the call.
+            torch.testing.assert_close(res["duration_ms"], (finished - started) * 1000,
+                                       rtol=0, atol=0.01)
+            assert res["posted"] <= started <= finished <= res["returned"], (rank, name, out)
+            assert res["duration_ms"] > 0, (rank, name, out)
+    # Rank 0's op cannot end before rank 1 posted its part, and it began before
+    # that (rank 1 posted LATE_S after rank 0 did): rank 1's lateness is inside
+    # rank 0's duration, from the moment the op began.
+    started, finished = results[0]["late"]["span"]
+    peer_posted = results[1]["late"]["posted"]
+    assert started < peer_posted <= finished, results
+    assert results[0]["late"]["duration_ms"] >= (peer_posted - started) * 1000 - 0.01, results
 
 
 def _completion_hook(ctx):
