@@ -2,7 +2,9 @@
 // transport. No sockets, tensors or Python.
 #pragma once
 
+#include <exception>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,7 +29,10 @@ struct Comm {
   int rank;
   int size;
   size_t segmentBytes;  // largest ring message (pipelining unit)
-  Traffic* traffic = nullptr;  // counts the payload bytes of completed exchanges
+  // Where this rank's payload bytes are counted, on every path: exchange(),
+  // count() and the point-to-point posts below are the only places that add
+  // to it. Shared: a point-to-point completion may outlive the backend.
+  std::shared_ptr<Traffic> traffic;
   AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;
   // A Comm over part of the group (the hierarchical all-reduce's rings across
   // hosts): rank i of this Comm is rank (*ranks)[i] of the group. Null: all.
@@ -92,6 +97,15 @@ struct Comm {
     }
   }
 
+  // Point-to-point (Transport::postSend/postRecv): the payload is counted once
+  // the transfer completed, before `done` runs (a failed one counts nothing).
+  void postSend(int peer, uint64_t tag, const void* data, size_t bytes, P2PCallback done) const {
+    transport.postSend(op, peer, tag, data, bytes, counted(std::move(done), bytes, 0));
+  }
+  void postRecv(int peer, uint64_t tag, void* data, size_t bytes, P2PCallback done) const {
+    transport.postRecv(op, peer, tag, data, bytes, counted(std::move(done), 0, bytes));
+  }
+
   int left() const { return (rank + size - 1) % size; }
   int right() const { return (rank + 1) % size; }
 
@@ -104,6 +118,18 @@ struct Comm {
     if (sendPeer >= 0) sends.push_back({sendPeer, sendData, sendBytes, step});
     if (recvPeer >= 0) recvs.push_back({recvPeer, recvData, recvBytes, step, std::move(onProgress)});
     exchange(sends, recvs);
+  }
+
+ private:
+  P2PCallback counted(P2PCallback done, size_t sent, size_t received) const {
+    return [done = std::move(done), t = traffic, sent, received](int source,
+                                                                  std::exception_ptr err) {
+      if (!err && t) {
+        t->sent(sent);
+        t->received(received);
+      }
+      done(source, std::move(err));
+    };
   }
 };
 

@@ -239,6 +239,14 @@ class Backend : public c10d::Backend {
   std::exception_ptr runOp(OpExecutor::Entry& e);
   c10::intrusive_ptr<c10d::Work> postRecv(std::vector<at::Tensor>& tensors, int srcRank,
                                           int tag);
+  // The wire identity of a point-to-point op ("send", "recv"; `where` names
+  // the peer and tag), counted and numbered in the p2p sequence.
+  OpInfo makeP2POp(const char* name, const at::Tensor& t, const std::string& where);
+  // What an op moves data through: collectives run over it (runOp), point-to-
+  // point ops post through it; it counts every payload byte (algorithms/comm.h).
+  Comm commFor(const OpInfo& op) const {
+    return Comm{*transport_, op, getRank(), getSize(), segmentBytes_, traffic_, allreduce_};
+  }
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;
   // What a CUDA op's wait for its copies to the host checks (DeviceStage::
   // beforeRun): the group aborted, the op's deadline passed.

@@ -87,20 +87,25 @@ void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRan
 
 // ---- point-to-point -------------------------------------------------------
 
+OpInfo Backend::makeP2POp(const char* name, const at::Tensor& t, const std::string& where) {
+  traffic_->countOp(name);
+  OpInfo op;
+  op.ctx = OpContext{getRank(), getSize(), name, ++p2pSeq_, TensorDesc(t).append(where)};
+  op.kind = OpKind::kSend;
+  op.dtype = static_cast<uint8_t>(t.scalar_type());
+  op.timeout = timeout_;
+  op.deadline = std::chrono::steady_clock::now() + timeout_;
+  return op;
+}
+
 c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                  int tag) {
   OpContext ctx{getRank(), getSize(), "send", p2pSeq_ + 1, tensors};
   const at::Tensor& t = single(ctx, tensors, "send");
   checkRoot(ctx, dstRank, getSize(), "destination rank");
   RR_CHECK_VALUE(dstRank != getRank(), ctx, "a rank cannot send to itself");
-  OpInfo op;
-  op.ctx = OpContext{getRank(), getSize(), "send", ++p2pSeq_,
-                     TensorDesc(t).append(" to rank " + std::to_string(dstRank) + " tag " +
-                                          std::to_string(tag))};
-  op.kind = OpKind::kSend;
-  op.dtype = static_cast<uint8_t>(t.scalar_type());
-  op.timeout = timeout_;
-  op.deadline = std::chrono::steady_clock::now() + timeout_;
+  OpInfo op = makeP2POp("send", t,
+                        " to rank " + std::to_string(dstRank) + " tag " + std::to_string(tag));
   auto work = c10::make_intrusive<Work>(op.ctx, c10d::OpType::SEND, tensors);
   track(work);
   // CUDA: the host waits for the copy to the host; the message leaves now.
@@ -108,15 +113,12 @@ c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, i
   at::Tensor h = stage.in(t);
   stage.beforeRun(gpuWaitCheck(op));
   at::Tensor s = staged(h);  // kept alive by the callback until sent
-  traffic_->countOp("send");
-  std::shared_ptr<Traffic> traffic = traffic_;
-  transport_->postSend(op, dstRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
-                       [work, s, traffic](int, std::exception_ptr err) {
+  commFor(op).postSend(dstRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
+                       [work, s](int, std::exception_ptr err) {
                          if (err) {
                            work->fail(err);
                            return;
                          }
-                         traffic->sent(nbytes(s));
                          work->complete();
                        });
   return work;
@@ -142,28 +144,19 @@ c10::intrusive_ptr<c10d::Work> Backend::postRecv(std::vector<at::Tensor>& tensor
   checkWritable(ctx, t, "recv");
   RR_CHECK_VALUE(getSize() > 1, ctx, "no peer to receive from in a group of one");
   std::string from = srcRank < 0 ? "any rank" : "rank " + std::to_string(srcRank);
-  OpInfo op;
-  op.ctx = OpContext{getRank(), getSize(), "recv", ++p2pSeq_,
-                     TensorDesc(t).append(" from " + from + " tag " + std::to_string(tag))};
-  op.kind = OpKind::kSend;
-  op.dtype = static_cast<uint8_t>(t.scalar_type());
-  op.timeout = timeout_;
-  op.deadline = std::chrono::steady_clock::now() + timeout_;
+  OpInfo op = makeP2POp("recv", t, " from " + from + " tag " + std::to_string(tag));
   auto type = srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV;
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
   at::Tensor h = stage.out(t);  // CUDA: copied back on the internal stream
   auto work = c10::make_intrusive<Work>(op.ctx, type, tensors, std::move(stage));
   track(work);
   at::Tensor s = staged(h);
-  traffic_->countOp("recv");
-  std::shared_ptr<Traffic> traffic = traffic_;
-  transport_->postRecv(op, srcRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
-                       [work, s, h, traffic](int source, std::exception_ptr err) {
+  commFor(op).postRecv(srcRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
+                       [work, s, h](int source, std::exception_ptr err) {
                          if (err) {
                            work->fail(err);
                            return;
                          }
-                         traffic->received(nbytes(s));
                          try {
                            at::NoGradGuard noGrad;
                            at::AutoDispatchBelowADInplaceOrView raw;  // as runOp()

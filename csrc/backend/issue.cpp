@@ -110,7 +110,7 @@ std::exception_ptr Backend::runOp(OpExecutor::Entry& e) {
   e.op.timeout = e.timeout;
   e.op.deadline = std::chrono::steady_clock::now() + e.timeout;
   e.work->markStarted();
-  Comm comm{*transport_, e.op, getRank(), getSize(), segmentBytes_, traffic_.get(), allreduce_};
+  const Comm comm = commFor(e.op);
   DeviceStage& stage = e.work->stage();
   try {
     stage.beforeRun(gpuWaitCheck(e.op));  // CUDA: the copies to the host are done
