@@ -114,12 +114,12 @@ void raiseAbortFlag(Segment& seg, uint64_t from) {
   }
 }
 
-void throwIfAborted(Mesh& mesh, Segment& seg, const OpInfo& op) {
-  if (mesh.aborted()) throwTransportError(unusable(op, mesh.abortReason()));
+void throwIfAborted(ControlPlane& plane, Segment& seg, const OpInfo& op) {
+  if (plane.aborted()) throwTransportError(unusable(op, plane.abortReason()));
   const uint64_t from = seg.header().abortedFrom.load(std::memory_order_relaxed);
   if (from != 0 && from <= op.ctx.seq) {
-    mesh.awaitPeerError();
-    mesh.failOp(op, -1, "another rank aborted the group");
+    plane.awaitPeerError();
+    plane.failOp(op, -1, "another rank aborted the group");
   }
 }
 
@@ -155,20 +155,20 @@ bool announcedOp(Segment& seg, int local, WireHeader* out) {
   return true;
 }
 
-PeerWait::PeerWait(Mesh& mesh, Segment& seg, int local, const std::vector<int>& localOf,
+PeerWait::PeerWait(ControlPlane& plane, Segment& seg, int local, const std::vector<int>& localOf,
                    const OpInfo& op)
-    : mesh_(mesh), seg_(seg), mine_(seg.bell(local)), localOf_(localOf), op_(op),
+    : plane_(plane), seg_(seg), mine_(seg.bell(local)), localOf_(localOf), op_(op),
       idleSince_(Clock::now()) {}
 
 PeerWait::~PeerWait() {
-  mesh_.waitPolicy().noteWait(furthest_);
+  plane_.waitPolicy().noteWait(furthest_);
 }
 
 void PeerWait::moved() {
   idleSince_ = Clock::now();
   gone_ = -1;
   if (furthest_ != WaitPolicy::Phase::kNone) {
-    mesh_.waitPolicy().noteWait(furthest_);
+    plane_.waitPolicy().noteWait(furthest_);
     furthest_ = WaitPolicy::Phase::kNone;
   }
 }
@@ -179,14 +179,14 @@ void PeerWait::idle(const std::function<bool()>& ready,
   if (gone_ >= 0) {
     // It may have done its part and exited before we looked: only now, with
     // a full pass that found nothing new, is its absence an error.
-    mesh_.failOp(op_, gone_, "connection closed by the peer (it exited or aborted)");
+    plane_.failOp(op_, gone_, "connection closed by the peer (it exited or aborted)");
   }
-  throwIfAborted(mesh_, seg_, op_);
+  throwIfAborted(plane_, seg_, op_);
   const auto now = Clock::now();
   if (now >= op_.deadline) onTimeout();
   const auto idleUs =
       std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince_).count();
-  WaitPolicy& policy = mesh_.waitPolicy();
+  WaitPolicy& policy = plane_.waitPolicy();
   const int64_t spinUs = policy.spinUs();
   using Phase = WaitPolicy::Phase;
   if (idleUs < spinUs) {
@@ -213,8 +213,7 @@ void PeerWait::idle(const std::function<bool()>& ready,
   // header then fails the op in this rank's own words, not as "another rank
   // aborted" (the peer raises its flag right after reading ours).
   if (ready()) return;
-  throwIfAborted(mesh_, seg_, op_);
-  mesh_.lookForRejection(op_, Clock::now() - idleSince_);
+  throwIfAborted(plane_, seg_, op_);
   // A peer that died closed its sockets. Only peers we still wait for count:
   // one that got all it needed from us may legitimately be gone already.
   peers_.clear();
@@ -228,15 +227,15 @@ void PeerWait::idle(const std::function<bool()>& ready,
     const RecvSpec spec{peer, nullptr, h.bytes, h.step, {}};
     const std::string err = headerMismatch(op_, spec, h);
     if (!err.empty()) {
-      mesh_.failOp(op_, peer, err + " (the op the peer announced in shared memory)");
+      plane_.failOp(op_, peer, err + " (the op the peer announced in shared memory)");
     }
   }
-  // Ranks on other hosts cannot read the slot: a rank there waiting for this
-  // one over TCP reads the op in the store.
-  if (std::any_of(localOf_.begin(), localOf_.end(), [](int l) { return l < 0; })) {
-    mesh_.lookForOtherOp(op_, Clock::now() - idleSince_, {}, {});
-  }
-  gone_ = mesh_.closedPeer(peers_);
+  // A rank that rejected the op at the call says so in the store; ranks on
+  // other hosts cannot read the slot: a rank there waiting for this one over
+  // TCP reads the op in the store.
+  plane_.lookWhileIdle(op_, Clock::now() - idleSince_,
+                      std::any_of(localOf_.begin(), localOf_.end(), [](int l) { return l < 0; }));
+  gone_ = plane_.closedPeer(peers_);
 }
 
 }  // namespace shm

@@ -154,7 +154,7 @@ void copyIntoRing(char* dst, const char* src, size_t n, bool streaming);
 // finishing `op` (the segment's flag goes up before a failing rank publishes
 // its error: docs/transports.md, "The fault model"). A rank that aborted in a later op finished this
 // one, so its abort does not fail it.
-void throwIfAborted(Mesh& mesh, Segment& seg, const OpInfo& op);
+void throwIfAborted(ControlPlane& plane, Segment& seg, const OpInfo& op);
 // Raises the segment's abort flag for every op from seq `from` on.
 void raiseAbortFlag(Segment& seg, uint64_t from);
 
@@ -168,7 +168,7 @@ class PeerWait {
  public:
   // `local`: this rank's index in the segment; `localOf`: per rank of the
   // group, its index in the segment (-1 elsewhere).
-  PeerWait(Mesh& mesh, Segment& seg, int local, const std::vector<int>& localOf,
+  PeerWait(ControlPlane& plane, Segment& seg, int local, const std::vector<int>& localOf,
            const OpInfo& op);
   // Counts the wait in progress (WaitPolicy::noteWait).
   ~PeerWait();
@@ -186,7 +186,7 @@ class PeerWait {
             const std::function<void()>& onTimeout);
 
  private:
-  Mesh& mesh_;
+  ControlPlane& plane_;
   Segment& seg_;
   Doorbell& mine_;
   const std::vector<int>& localOf_;
@@ -206,7 +206,7 @@ std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const To
                                             Members members, void* base, const Layout& layout,
                                             RingStores stores);
 // shm_shared_buffers.cpp: the segment's staging areas as SharedBuffers.
-std::unique_ptr<SharedBuffers> makeSharedBuffers(Mesh& mesh, Segment& seg,
+std::unique_ptr<SharedBuffers> makeSharedBuffers(ControlPlane& plane, Segment& seg,
                                                  const Members& members);
 
 }  // namespace shm

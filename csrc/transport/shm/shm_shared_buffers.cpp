@@ -31,8 +31,8 @@ enum class Flag { kStaged, kReduced };
 
 class ShmSharedBuffers : public SharedBuffers {
  public:
-  ShmSharedBuffers(Mesh& mesh, Segment& seg, const Members& members)
-      : mesh_(mesh), seg_(seg), members_(members), rank_(members.me), size_(members.size()) {}
+  ShmSharedBuffers(ControlPlane& plane, Segment& seg, const Members& members)
+      : plane_(plane), seg_(seg), members_(members), rank_(members.me), size_(members.size()) {}
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -67,7 +67,7 @@ class ShmSharedBuffers : public SharedBuffers {
       spec.peer = q;
       const std::string err = headerMismatch(op, spec, stamp);
       if (!err.empty()) {
-        mesh_.failOp(op, members_.ranks[q], err + " (in the shared staging areas)");
+        plane_.failOp(op, members_.ranks[q], err + " (in the shared staging areas)");
       }
     }
   }
@@ -138,7 +138,7 @@ class ShmSharedBuffers : public SharedBuffers {
       }
       what = mismatch + "; " + what;
     }
-    mesh_.failOp(op, members_.ranks[peer], what);
+    plane_.failOp(op, members_.ranks[peer], what);
     __builtin_unreachable();  // failOp throws (a virtual call's [[noreturn]] is not seen)
   }
 
@@ -146,7 +146,7 @@ class ShmSharedBuffers : public SharedBuffers {
   // should be doing is `doing`, for the timeout's message).
   void awaitFlags(const OpInfo& op, Flag which, uint64_t round, const std::string& doing) {
     if (behind(which, round) == 0) return;
-    PeerWait wait(mesh_, seg_, rank_, members_.local, op);
+    PeerWait wait(plane_, seg_, rank_, members_.local, op);
     int left = size_;  // peers still behind after the last pass
     const std::function<bool()> ready = [&] {
       return firstSender() >= 0 || behind(which, round) == 0;
@@ -161,7 +161,7 @@ class ShmSharedBuffers : public SharedBuffers {
     const std::function<void()> timedOut = [&] {
       int peer = -1;
       behind(which, round, &peer);
-      mesh_.failTimeout(op, peer >= 0 ? members_.ranks[peer] : -1, "Timed out after " + std::to_string(op.timeout.count()) +
+      plane_.failTimeout(op, peer >= 0 ? members_.ranks[peer] : -1, "Timed out after " + std::to_string(op.timeout.count()) +
                                        " ms waiting for the peer to " + doing +
                                        " in the shared staging areas");
     };
@@ -179,7 +179,7 @@ class ShmSharedBuffers : public SharedBuffers {
     }
   }
 
-  Mesh& mesh_;
+  ControlPlane& plane_;
   Segment& seg_;
   const Members& members_;
   const int rank_;  // local indices (the segment's)
@@ -189,9 +189,9 @@ class ShmSharedBuffers : public SharedBuffers {
 
 }  // namespace
 
-std::unique_ptr<SharedBuffers> makeSharedBuffers(Mesh& mesh, Segment& seg,
+std::unique_ptr<SharedBuffers> makeSharedBuffers(ControlPlane& plane, Segment& seg,
                                                  const Members& members) {
-  return std::make_unique<ShmSharedBuffers>(mesh, seg, members);
+  return std::make_unique<ShmSharedBuffers>(plane, seg, members);
 }
 
 }  // namespace shm

@@ -201,14 +201,14 @@ std::string TcpMesh::rejectionNote(const OpInfo& op) {
 namespace {
 
 // Whether a wait idle for `idle` is due a look at the store (last one at
-// `lookedAt`, which this claims): from kRejectionLookAfter on, every 100 ms
+// `lookedAt`, which this claims): from kLookAfter on, every 100 ms
 // while the wait is young, then less often (a quarter of the wait, at most
 // every 2 s): long waits for a slow peer are common and each look is a store
 // request.
 bool lookDue(std::atomic<int64_t>& lookedAt, Clock::duration idle) {
-  if (idle < Mesh::kRejectionLookAfter) return false;
+  if (idle < ControlPlane::kLookAfter) return false;
   const Clock::duration every = std::clamp<Clock::duration>(
-      idle / 4, Mesh::kRejectionLookAfter, std::chrono::seconds(2));
+      idle / 4, ControlPlane::kLookAfter, std::chrono::seconds(2));
   const int64_t now = Clock::now().time_since_epoch().count();
   int64_t last = lookedAt.load(std::memory_order_relaxed);
   return now - last >= every.count() &&
@@ -217,8 +217,16 @@ bool lookDue(std::atomic<int64_t>& lookedAt, Clock::duration idle) {
 
 }  // namespace
 
+void TcpMesh::lookWhileIdle(const OpInfo& op, Clock::duration idle, bool acrossHosts,
+                            const std::vector<int>& waitingOn,
+                            const std::vector<int>& midMessage) {
+  if (size_ == 1 || !collective(op)) return;
+  lookForRejection(op, idle);
+  if (acrossHosts) lookForOtherOp(op, idle, waitingOn, midMessage);
+}
+
 void TcpMesh::lookForRejection(const OpInfo& op, Clock::duration idle) {
-  if (size_ == 1 || !collective(op) || !lookDue(rejectionLookedAt_, idle)) return;
+  if (!lookDue(rejectionLookedAt_, idle)) return;
   auto r = parseRejection(store_.peek(rejectedKey(op.ctx.seq),
                                       std::min(op.deadline, Clock::now() + kLookupBudget)),
                           op.ctx.seq, size_);
@@ -231,7 +239,7 @@ void TcpMesh::lookForRejection(const OpInfo& op, Clock::duration idle) {
 void TcpMesh::lookForOtherOp(const OpInfo& op, Clock::duration idle,
                              const std::vector<int>& waitingOn,
                              const std::vector<int>& midMessage) {
-  if (size_ == 1 || !collective(op) || !lookDue(otherOpLookedAt_, idle)) return;
+  if (!lookDue(otherOpLookedAt_, idle)) return;
   const auto now = Clock::now();
   auto key = [&](int r) { return storeBase_ + "op/" + std::to_string(r); };
   if (announcedSeq_.exchange(op.ctx.seq) != op.ctx.seq) {

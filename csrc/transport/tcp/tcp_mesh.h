@@ -41,7 +41,7 @@ class TcpMesh : public Mesh {
           std::chrono::milliseconds timeout);
   ~TcpMesh() override;
 
-  // Mesh. Fails as a TCP transfer would (aborts, publishes, throws); a
+  // Mesh (and its ControlPlane). Fails as a TCP transfer would (aborts, publishes, throws); a
   // timeout also works out, through the store, which rank the waits lead to.
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -66,10 +66,9 @@ class TcpMesh : public Mesh {
   Failure failure() const override { return static_cast<Failure>(failure_.load()); }
   std::string abortReason() const override;
   void publishRejected(uint64_t seq, const std::string& message) override;
-  void lookForRejection(const OpInfo& op, std::chrono::steady_clock::duration idle) override;
-  void lookForOtherOp(const OpInfo& op, std::chrono::steady_clock::duration idle,
-                      const std::vector<int>& waitingOn,
-                      const std::vector<int>& midMessage) override;
+  void lookWhileIdle(const OpInfo& op, std::chrono::steady_clock::duration idle, bool acrossHosts,
+                     const std::vector<int>& waitingOn,
+                     const std::vector<int>& midMessage) override;
   WaitPolicy& waitPolicy() override { return wait_; }
   std::string listenAddress() const override;
   // Why the most recent refused connections were refused (at most
@@ -110,6 +109,10 @@ class TcpMesh : public Mesh {
   void close();
 
  private:
+  // lookWhileIdle's two looks, each on its own cadence (lookDue).
+  void lookForRejection(const OpInfo& op, std::chrono::steady_clock::duration idle);
+  void lookForOtherOp(const OpInfo& op, std::chrono::steady_clock::duration idle,
+                      const std::vector<int>& waitingOn, const std::vector<int>& midMessage);
   // rendezvous.cpp: the mesh and the accept thread.
   void connectMesh(std::chrono::milliseconds timeout);
   void connectToLower(int peer, Clock::time_point deadline);

@@ -200,7 +200,7 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
   // Nothing moved since then; a wait that long looks for a peer's rejection
   // of the op (mesh.h), so the poll wakes at least that often.
   Clock::time_point movedAt = Clock::now(), lastPoll = movedAt;
-  const int lookMs = static_cast<int>(Mesh::kRejectionLookAfter.count());
+  const int lookMs = static_cast<int>(ControlPlane::kLookAfter.count());
   while (true) {
     pfds.clear();
     peerOf.clear();
@@ -233,11 +233,10 @@ void TcpTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
     if (ready > 0) movedAt = lastPoll;
     if (ready == 0) {
       if (millisUntil(op.deadline) > 0) {
-        mesh.lookForRejection(op, lastPoll - movedAt);
         std::vector<int> waitingOn;
         for (auto& x : ss) if (x.done < x.total()) waitingOn.push_back(x.spec->peer);
         for (auto& x : rs) if (!x.finished()) waitingOn.push_back(x.spec->peer);
-        mesh.lookForOtherOp(op, lastPoll - movedAt, waitingOn, midMessage());
+        mesh.lookWhileIdle(op, lastPoll - movedAt, true, waitingOn, midMessage());
         continue;
       }
       auto [peer, what] = timeoutReport(op, ss, rs);
