@@ -2,6 +2,8 @@
 // transport. No sockets, tensors or Python.
 #pragma once
 
+#include <c10/util/SmallVector.h>
+
 #include <exception>
 #include <functional>
 #include <memory>
@@ -55,18 +57,22 @@ struct Comm {
       for (auto& r : recvs) local.push_back(std::exchange(r.peer, (*ranks)[r.peer]));
     }
     // Consumers: the transport hands in place what it can; the rest is
-    // handed from the receive buffers once the exchange is complete.
-    std::vector<std::pair<size_t, size_t>> consumers;  // (recv index, bytes handed)
-    std::vector<std::function<void(const char*, size_t, size_t)>> inner;
+    // handed from the receive buffers once the exchange is complete. Each
+    // wrapper refers to its record (one pointer: no allocation); records
+    // for a few receives live on the stack.
+    struct Consumer {
+      size_t recv;        // index in recvs
+      size_t handed = 0;  // bytes the transport handed in place
+      std::function<void(const char*, size_t, size_t)> inner;
+    };
+    c10::SmallVector<Consumer, 4> consumers;
     for (size_t i = 0; i < recvs.size(); ++i) {
-      if (!recvs[i].consume) continue;
-      consumers.emplace_back(i, 0);
-      inner.push_back(std::move(recvs[i].consume));
+      if (recvs[i].consume) consumers.push_back(Consumer{i, 0, std::move(recvs[i].consume)});
     }
-    for (size_t k = 0; k < consumers.size(); ++k) {
-      recvs[consumers[k].first].consume = [&, k](const char* src, size_t at, size_t n) {
-        inner[k](src, at, n);
-        consumers[k].second = at + n;
+    for (Consumer& k : consumers) {  // not moved from here on: the wrappers point in
+      recvs[k.recv].consume = [c = &k](const char* src, size_t at, size_t n) {
+        c->inner(src, at, n);
+        c->handed = at + n;
       };
     }
     transport.exchange(op, sends, recvs);
@@ -75,11 +81,10 @@ struct Comm {
       for (auto& s : sends) s.peer = local[i++];
       for (auto& r : recvs) r.peer = local[i++];
     }
-    for (size_t k = 0; k < consumers.size(); ++k) {
-      const auto [i, handed] = consumers[k];
-      RecvSpec& r = recvs[i];
-      if (handed < r.bytes) {
-        inner[k](static_cast<const char*>(r.data) + handed, handed, r.bytes - handed);
+    for (Consumer& k : consumers) {
+      RecvSpec& r = recvs[k.recv];
+      if (k.handed < r.bytes) {
+        k.inner(static_cast<const char*>(r.data) + k.handed, k.handed, r.bytes - k.handed);
       }
     }
     size_t out = 0, in = 0;

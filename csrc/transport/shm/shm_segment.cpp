@@ -173,9 +173,8 @@ void PeerWait::moved() {
   }
 }
 
-void PeerWait::idle(const std::function<bool()>& ready,
-                    const std::function<void(std::vector<int>&)>& waitingOn,
-                    const std::function<void()>& onTimeout) {
+void PeerWait::idle(FunctionRef<bool()> ready, FunctionRef<void(std::vector<int>&)> waitingOn,
+                    FunctionRef<void()> onTimeout) {
   if (gone_ >= 0) {
     // It may have done its part and exited before we looked: only now, with
     // a full pass that found nothing new, is its absence an error.

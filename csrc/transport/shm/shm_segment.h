@@ -18,6 +18,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/function_ref.h"
 #include "transport/mesh.h"
 #include "transport/shared_buffers.h"
 #include "transport/wire.h"
@@ -181,9 +182,8 @@ class PeerWait {
   // must throw) past the deadline; else spins, yields or sleeps, unless
   // ready() (looked at after arming the doorbell) says there is work already.
   // waitingOn(out) fills the peers still waited for (ranks of the group).
-  void idle(const std::function<bool()>& ready,
-            const std::function<void(std::vector<int>&)>& waitingOn,
-            const std::function<void()>& onTimeout);
+  void idle(FunctionRef<bool()> ready, FunctionRef<void(std::vector<int>&)> waitingOn,
+            FunctionRef<void()> onTimeout);
 
  private:
   ControlPlane& plane_;

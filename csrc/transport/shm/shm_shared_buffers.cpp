@@ -148,17 +148,17 @@ class ShmSharedBuffers : public SharedBuffers {
     if (behind(which, round) == 0) return;
     PeerWait wait(plane_, seg_, rank_, members_.local, op);
     int left = size_;  // peers still behind after the last pass
-    const std::function<bool()> ready = [&] {
+    const auto ready = [&] {
       return firstSender() >= 0 || behind(which, round) == 0;
     };
-    const std::function<void(std::vector<int>&)> waitingOn = [&](std::vector<int>& peers) {
+    const auto waitingOn = [&](std::vector<int>& peers) {
       for (int q = 0; q < size_; ++q) {
         if (q != rank_ && flag(q, which).load(std::memory_order_acquire) < round) {
           peers.push_back(members_.ranks[q]);
         }
       }
     };
-    const std::function<void()> timedOut = [&] {
+    const auto timedOut = [&] {
       int peer = -1;
       behind(which, round, &peer);
       plane_.failTimeout(op, peer >= 0 ? members_.ranks[peer] : -1, "Timed out after " + std::to_string(op.timeout.count()) +

@@ -239,6 +239,10 @@ class ShmTransport : public Transport {
   uint8_t opKind_ = 0;
   size_t opBytes_ = 0;
   std::unique_ptr<SharedBuffers> shared_;
+  // exchange()'s progress records, reused (no allocation per exchange): one
+  // exchange at a time runs on a transport (its op's thread).
+  std::vector<SendState> sendProgress_;
+  std::vector<RecvState> recvProgress_;
   std::mutex confirmMu_;     // confirm() and abort() may run on different threads
   uint64_t confirmed_ = 0;  // guarded by confirmMu_: the seq of the last op confirmed here
 };
@@ -247,16 +251,19 @@ void ShmTransport::exchange(const OpInfo& op, std::vector<SendSpec>& sends,
                             std::vector<RecvSpec>& recvs) {
   throwIfAborted(mesh_, seg_, op);
   chooseStores(op, sends);
-  std::vector<SendState> ss;
-  std::vector<RecvState> rs;
+  // The progress records of the previous exchange, their capacity kept.
+  std::vector<SendState>& ss = sendProgress_;
+  std::vector<RecvState>& rs = recvProgress_;
+  ss.clear();
+  rs.clear();
   startProgress(op, sends, recvs, &ss, &rs);
   PeerWait wait(mesh_, seg_, rank_, members_.local, op);
-  const std::function<bool()> readyNow = [&] { return ready(ss, rs); };
-  const std::function<void(std::vector<int>&)> open = [&](std::vector<int>& peers) {
+  const auto readyNow = [&] { return ready(ss, rs); };
+  const auto open = [&](std::vector<int>& peers) {
     for (auto& x : ss) if (x.done < x.total()) peers.push_back(x.spec->peer);
     for (auto& x : rs) if (!x.finished()) peers.push_back(x.spec->peer);
   };
-  const std::function<void()> timedOut = [&] {
+  const auto timedOut = [&] {
     auto [peer, what] = timeoutReport(op, ss, rs);
     mesh_.failTimeout(op, peer, what);
   };
