@@ -63,7 +63,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CoalescedWork::getFuture() {
   std::lock_guard<std::mutex> lock(futureMu_);
   if (future_) return future_;
   c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(
-      c10::FutureType::create(c10::ListType::create(c10::TensorType::get())));
+      c10::FutureType::create(c10::ListType::ofTensors()));
   for (const auto& w : works_) futures.push_back(w->getFuture());
   future_ = c10::collectAll(futures)->then(
       [](c10::ivalue::Future& all) {
@@ -75,7 +75,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CoalescedWork::getFuture() {
         }
         return c10::IValue(out);
       },
-      c10::ListType::create(c10::TensorType::get()));
+      c10::ListType::ofTensors());
   return future_;
 }
 

@@ -57,7 +57,7 @@ Work::Work(OpContext ctx, c10d::OpType type, std::vector<at::Tensor> outputs,
       outputs_(std::move(outputs)),
       stage_(std::move(stage)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()), devicesOf(stage_))),
+          c10::ListType::ofTensors(), devicesOf(stage_))),
       started_(std::chrono::steady_clock::now()),
       finished_(started_) {
   std::atomic<int64_t>& throwing = testHooks().throwingCallbacks;
