@@ -778,14 +778,36 @@ def test_an_op_a_rank_timed_out_in_fails_on_the_late_peer_too(bare_worlds, shm):
     assert "rank 0" in outcomes[1] and "timed out" in outcomes[1].lower(), outcomes
 
 
+def _transfers_done(received_before, nbytes, limit_s=30.0):
+    """Waits until this rank's default group counts `nbytes` more bytes received
+    than `received_before`: an op's transfers are done (the traffic counters
+    move once an exchange has completed, before the op's final check)."""
+    import torch_ringreduce
+
+    deadline = time.monotonic() + limit_s
+    while torch_ringreduce.traffic()["bytes_received"] - received_before < nbytes:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the op's {nbytes} bytes did not arrive in {limit_s} s")
+        time.sleep(0.001)
+
+
 def _destroyed_before_its_own_check(ctx, mode):
     """Remote, over TCP: both ranks finish an all_reduce's transfers and sleep
     before its final check (confirm; rank 0 1.5 s, rank 1 3 s), and rank 0
     destroys the group meanwhile: the op is in flight, so rank 0 aborts and
     frames it to rank 1. mode "after_rejected": first every rank's all_reduce
     is refused at the call after it was numbered, so the frame names that op.
-    Returns how the in-flight all_reduce ended on this rank."""
+    Returns how the in-flight all_reduce ended on this rank.
+
+    Rank 0 destroys once both ranks' traffic counters show the op's bytes
+    received (each rank's transfers done, its check still asleep), not a fixed
+    0.5 s after its own call: when its worker had not sent its data by then (a
+    busy machine), rank 1 read the abort frame where the data should be, and
+    failed another way ("abandoned its op #N", not "this op")."""
+    import torch_ringreduce
+
     _init_with_shm(ctx, "0", f"ownabort{mode}", timedelta(seconds=30))
+    sync = ctx.new_store(f"ownabortsync{mode}")
     from torch_ringreduce import _C
     if mode == "after_rejected":
         _C._testing.reject_after_numbering(1)
@@ -797,9 +819,14 @@ def _destroyed_before_its_own_check(ctx, mode):
             return f"the numbered op was not refused: {refused}"
     previous = _C._testing.tcp_confirm_delay_ms(1500 if ctx.rank == 0 else 3000)
     try:
+        received = torch_ringreduce.traffic()["bytes_received"]
         work = dist.all_reduce(torch.ones(1024), async_op=True)
-        if ctx.rank == 0:
-            time.sleep(0.5)  # the op's transfers are done: it sleeps before its check
+        # Two ranks: each receives the whole 4 KiB tensor once (ring or direct).
+        _transfers_done(received, 1024 * 4)
+        if ctx.rank == 1:
+            sync.set("transferred1", "1")
+        else:
+            sync.wait(["transferred1"], timedelta(seconds=30))
             dist.destroy_process_group()
         outcome = _outcome(work.wait)
     finally:
