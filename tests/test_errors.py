@@ -1103,20 +1103,27 @@ def test_destroy_in_a_p2p_callback_while_a_worker_callback_waits(bare_worlds):
 
 def _destroy_with_an_op_in_flight(ctx, shm):
     """Remote: rank 0 starts an all_reduce and destroys the group 0.3 s later,
-    before rank 1 has joined it; rank 1 joins at 1 s, when rank 0's data is
-    already in its socket buffer or ring. How the all_reduce ended, per rank."""
+    before rank 1 has joined it; rank 1 joins once rank 0's destroy returned
+    (a store key), when rank 0's data is already in its socket buffer or ring.
+    How the all_reduce ended, per rank. (Rank 1 used to join 1 s after the
+    barrier: a rank 0 that came 0.7 s late to it, a busy machine, was joined
+    before it destroyed, and the op completed on both.)"""
     _init_with_shm(ctx, shm, "inflight", ctx.pg_timeout)
+    sync = ctx.new_store(f"inflightsync{shm}")
     dist.barrier()
     t = torch.ones(1024)
 
     def rank0():
         work = dist.all_reduce(t, async_op=True)
-        time.sleep(0.3)
-        dist.destroy_process_group()
+        time.sleep(0.3)  # the worker sends this rank's data meanwhile
+        try:
+            dist.destroy_process_group()
+        finally:
+            sync.set("destroyed", "1")
         work.wait()
 
     def rank1():
-        time.sleep(1.0)
+        sync.wait(["destroyed"], timedelta(seconds=30))
         dist.all_reduce(t)
 
     outcome = _outcome(rank0 if ctx.rank == 0 else rank1)
