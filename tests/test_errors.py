@@ -1067,7 +1067,13 @@ def _destroy_while_a_worker_callback_waits_for_p2p(ctx):
     t, y = torch.ones(4), torch.zeros(4)
     if ctx.rank == 0:
         def wait_for_nothing(fut):
-            return _outcome(lambda: dist.recv(torch.zeros(4), src=1, tag=9))
+            # Rank 1 sends the message whose callback destroys the group only
+            # once this receive is posted (it used to send 0.3 s after the
+            # all_reduce: a worker slower than that to run this callback, a
+            # busy machine, called dist.recv after the destroy).
+            work = dist.irecv(torch.zeros(4), src=1, tag=9)
+            store.set("destroyworkerwait/posted", "1")
+            return _outcome(work.wait)
 
         waiting = dist.all_reduce(t, async_op=True).get_future().then(wait_for_nothing)
 
@@ -1079,9 +1085,9 @@ def _destroy_while_a_worker_callback_waits_for_p2p(ctx):
         out = [destroyed.wait(), waiting.wait(), t, y]
         store.set("destroyworkerwait/done", "1")
     else:
-        time.sleep(0.3)
+        time.sleep(0.3)  # rank 0's callback is attached first: it runs on the worker
         dist.all_reduce(t)
-        time.sleep(0.3)
+        store.wait(["destroyworkerwait/posted"], timedelta(seconds=30))
         dist.send(torch.full((4,), 8.0), dst=0, tag=8)
         store.wait(["destroyworkerwait/done"], timedelta(seconds=30))
         dist.destroy_process_group()
