@@ -602,14 +602,19 @@ def _threads_around_destroy(ctx):
     later = dist.all_reduce(torch.ones(4), async_op=True).get_future()
     first.get_future().then(lambda f: later.wait()).wait()
     # Two receives' callbacks blocked at once in Future.wait() for a third
-    # (rank 1 sends it late): the p2p engine's watcher starts a thread.
+    # (rank 1 sends it late): the p2p engine's watcher starts a thread. Rank 1
+    # sends only once rank 0 attached them (it used to send 0.2 s after the
+    # all-reduces: a rank 0 slower than that, a busy machine, attached them to
+    # completed receives, ran them on its own thread, and no watcher started).
     if ctx.rank == 0:
         works = [dist.irecv(torch.zeros(2), src=1, tag=k) for k in range(3)]
         last = works[2].get_future()
-        for held in [w.get_future().then(lambda f: last.wait()) for w in works[:2]]:
-            held.wait()
+        held = [w.get_future().then(lambda f: last.wait()) for w in works[:2]]
+        store.set("threads/attached", "1")
+        for h in held:
+            h.wait()
     else:
-        time.sleep(0.2)
+        store.wait(["threads/attached"], timedelta(seconds=30))
         for k in range(3):
             time.sleep(0.1 if k == 2 else 0)
             dist.send(torch.ones(2), dst=0, tag=k)
