@@ -602,14 +602,19 @@ def _threads_around_destroy(ctx):
     later = dist.all_reduce(torch.ones(4), async_op=True).get_future()
     first.get_future().then(lambda f: later.wait()).wait()
     # Two receives' callbacks blocked at once in Future.wait() for a third
-    # (rank 1 sends it late): the p2p engine's watcher starts a thread.
+    # (rank 1 sends it late): the p2p engine's watcher starts a thread. Rank 1
+    # sends only once rank 0 attached them (it used to send 0.2 s after the
+    # all-reduces: a rank 0 slower than that, a busy machine, attached them to
+    # completed receives, ran them on its own thread, and no watcher started).
     if ctx.rank == 0:
         works = [dist.irecv(torch.zeros(2), src=1, tag=k) for k in range(3)]
         last = works[2].get_future()
-        for held in [w.get_future().then(lambda f: last.wait()) for w in works[:2]]:
-            held.wait()
+        held = [w.get_future().then(lambda f: last.wait()) for w in works[:2]]
+        store.set("threads/attached", "1")
+        for h in held:
+            h.wait()
     else:
-        time.sleep(0.2)
+        store.wait(["threads/attached"], timedelta(seconds=30))
         for k in range(3):
             time.sleep(0.1 if k == 2 else 0)
             dist.send(torch.ones(2), dst=0, tag=k)
@@ -739,13 +744,27 @@ def _outcome(call):
         return str(err)
 
 
+LATE_JOIN_S = 1.3  # after rank 0 called the all_reduce: past its 1 s, within its 1.5 s
+
+
 def _late_peer_after_a_timeout(ctx, shm):
-    """Remote: a 1 s group; rank 1 joins the all_reduce 1.3 s late, after rank
-    0 timed out in it but before rank 0 has followed its wait chain (500 ms)
-    and published its error. Returns how the all_reduce ended on this rank."""
+    """Remote: a 1 s group; rank 1 joins the all_reduce LATE_JOIN_S after rank
+    0 called it, after rank 0 timed out in it but before rank 0 has followed
+    its wait chain (500 ms) and published its error. Returns how the
+    all_reduce ended on this rank.
+
+    The lateness counts from rank 0's call (its monotonic time, one clock for
+    both processes, through the store), not from this rank's leaving
+    init_process_group: a rank 0 that left it 0.3 s after rank 1 (a busy
+    machine) was joined within its 1 s, and the op succeeded on both."""
     _init_with_shm(ctx, shm, "late", timedelta(seconds=1))
-    if ctx.rank == 1:
-        time.sleep(1.3)
+    sync = ctx.new_store(f"latesync{shm}")
+    if ctx.rank == 0:
+        sync.set("called", repr(time.monotonic()))
+    else:
+        sync.wait(["called"], timedelta(seconds=30))
+        called = float(sync.get("called").decode())
+        time.sleep(max(0.0, called + LATE_JOIN_S - time.monotonic()))
     outcome = _outcome(lambda: dist.all_reduce(torch.ones(1024)))
     _outcome(dist.destroy_process_group)
     return outcome
@@ -764,14 +783,36 @@ def test_an_op_a_rank_timed_out_in_fails_on_the_late_peer_too(bare_worlds, shm):
     assert "rank 0" in outcomes[1] and "timed out" in outcomes[1].lower(), outcomes
 
 
+def _transfers_done(received_before, nbytes, limit_s=30.0):
+    """Waits until this rank's default group counts `nbytes` more bytes received
+    than `received_before`: an op's transfers are done (the traffic counters
+    move once an exchange has completed, before the op's final check)."""
+    import torch_ringreduce
+
+    deadline = time.monotonic() + limit_s
+    while torch_ringreduce.traffic()["bytes_received"] - received_before < nbytes:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the op's {nbytes} bytes did not arrive in {limit_s} s")
+        time.sleep(0.001)
+
+
 def _destroyed_before_its_own_check(ctx, mode):
     """Remote, over TCP: both ranks finish an all_reduce's transfers and sleep
     before its final check (confirm; rank 0 1.5 s, rank 1 3 s), and rank 0
     destroys the group meanwhile: the op is in flight, so rank 0 aborts and
     frames it to rank 1. mode "after_rejected": first every rank's all_reduce
     is refused at the call after it was numbered, so the frame names that op.
-    Returns how the in-flight all_reduce ended on this rank."""
+    Returns how the in-flight all_reduce ended on this rank.
+
+    Rank 0 destroys once both ranks' traffic counters show the op's bytes
+    received (each rank's transfers done, its check still asleep), not a fixed
+    0.5 s after its own call: when its worker had not sent its data by then (a
+    busy machine), rank 1 read the abort frame where the data should be, and
+    failed another way ("abandoned its op #N", not "this op")."""
+    import torch_ringreduce
+
     _init_with_shm(ctx, "0", f"ownabort{mode}", timedelta(seconds=30))
+    sync = ctx.new_store(f"ownabortsync{mode}")
     from torch_ringreduce import _C
     if mode == "after_rejected":
         _C._testing.reject_after_numbering(1)
@@ -783,9 +824,14 @@ def _destroyed_before_its_own_check(ctx, mode):
             return f"the numbered op was not refused: {refused}"
     previous = _C._testing.tcp_confirm_delay_ms(1500 if ctx.rank == 0 else 3000)
     try:
+        received = torch_ringreduce.traffic()["bytes_received"]
         work = dist.all_reduce(torch.ones(1024), async_op=True)
-        if ctx.rank == 0:
-            time.sleep(0.5)  # the op's transfers are done: it sleeps before its check
+        # Two ranks: each receives the whole 4 KiB tensor once (ring or direct).
+        _transfers_done(received, 1024 * 4)
+        if ctx.rank == 1:
+            sync.set("transferred1", "1")
+        else:
+            sync.wait(["transferred1"], timedelta(seconds=30))
             dist.destroy_process_group()
         outcome = _outcome(work.wait)
     finally:
@@ -1026,7 +1072,13 @@ def _destroy_while_a_worker_callback_waits_for_p2p(ctx):
     t, y = torch.ones(4), torch.zeros(4)
     if ctx.rank == 0:
         def wait_for_nothing(fut):
-            return _outcome(lambda: dist.recv(torch.zeros(4), src=1, tag=9))
+            # Rank 1 sends the message whose callback destroys the group only
+            # once this receive is posted (it used to send 0.3 s after the
+            # all_reduce: a worker slower than that to run this callback, a
+            # busy machine, called dist.recv after the destroy).
+            work = dist.irecv(torch.zeros(4), src=1, tag=9)
+            store.set("destroyworkerwait/posted", "1")
+            return _outcome(work.wait)
 
         waiting = dist.all_reduce(t, async_op=True).get_future().then(wait_for_nothing)
 
@@ -1038,9 +1090,9 @@ def _destroy_while_a_worker_callback_waits_for_p2p(ctx):
         out = [destroyed.wait(), waiting.wait(), t, y]
         store.set("destroyworkerwait/done", "1")
     else:
-        time.sleep(0.3)
+        time.sleep(0.3)  # rank 0's callback is attached first: it runs on the worker
         dist.all_reduce(t)
-        time.sleep(0.3)
+        store.wait(["destroyworkerwait/posted"], timedelta(seconds=30))
         dist.send(torch.full((4,), 8.0), dst=0, tag=8)
         store.wait(["destroyworkerwait/done"], timedelta(seconds=30))
         dist.destroy_process_group()
@@ -1062,20 +1114,27 @@ def test_destroy_in_a_p2p_callback_while_a_worker_callback_waits(bare_worlds):
 
 def _destroy_with_an_op_in_flight(ctx, shm):
     """Remote: rank 0 starts an all_reduce and destroys the group 0.3 s later,
-    before rank 1 has joined it; rank 1 joins at 1 s, when rank 0's data is
-    already in its socket buffer or ring. How the all_reduce ended, per rank."""
+    before rank 1 has joined it; rank 1 joins once rank 0's destroy returned
+    (a store key), when rank 0's data is already in its socket buffer or ring.
+    How the all_reduce ended, per rank. (Rank 1 used to join 1 s after the
+    barrier: a rank 0 that came 0.7 s late to it, a busy machine, was joined
+    before it destroyed, and the op completed on both.)"""
     _init_with_shm(ctx, shm, "inflight", ctx.pg_timeout)
+    sync = ctx.new_store(f"inflightsync{shm}")
     dist.barrier()
     t = torch.ones(1024)
 
     def rank0():
         work = dist.all_reduce(t, async_op=True)
-        time.sleep(0.3)
-        dist.destroy_process_group()
+        time.sleep(0.3)  # the worker sends this rank's data meanwhile
+        try:
+            dist.destroy_process_group()
+        finally:
+            sync.set("destroyed", "1")
         work.wait()
 
     def rank1():
-        time.sleep(1.0)
+        sync.wait(["destroyed"], timedelta(seconds=30))
         dist.all_reduce(t)
 
     outcome = _outcome(rank0 if ctx.rank == 0 else rank1)

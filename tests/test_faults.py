@@ -695,11 +695,13 @@ def test_a_rooted_op_rejected_by_one_role_fails_every_rank(pool, op, rejecting):
             assert "rejected its arguments" in err["msg"], err
 
 
-def _one_rank_rejects(ctx, transport, op, then):
+def _one_rank_rejects(ctx, transport, op, then, tag):
     """Rank 1 alone passes a bad argument to an op without a root; the others'
     arguments are fine. `then`: what rank 1 does after its ValueError: "wait"
-    (nothing for 2 s), or "next" (a valid all_reduce at once, which the
-    others, still in the first op, receive instead)."""
+    (nothing until ranks 0 and 2 are out of the op: a store key each), or
+    "next" (a valid all_reduce at once, which the others, still in the first
+    op, receive instead)."""
+    sync = ctx.new_store(tag)
     group, kind = _new_group(transport)
     n = ctx.world_size
     t = torch.full((4,), float(ctx.rank + 1))
@@ -723,11 +725,16 @@ def _one_rank_rejects(ctx, transport, op, then):
         else:  # reduce_scatter_tensor: a wrong output size on rank 1
             reduce_scatter_single(torch.empty(4 + bad), torch.ones(4 * n), group=group)
 
+    called = time.monotonic()
     err = attempt(first)
-    if bad and then == "wait":
-        time.sleep(2)
+    returned = time.monotonic()
+    if then == "wait":
+        if bad:  # nothing but the store can tell the others
+            sync.wait(["out0", "out2"], timedelta(seconds=RUN_TIMEOUT_S))
+        else:
+            sync.set(f"out{ctx.rank}", "1")
     after = attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
-    return {"kind": kind, "first": err, "after": after}
+    return {"kind": kind, "first": err, "after": after, "called": called, "returned": returned}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -742,8 +749,13 @@ def test_a_bad_argument_on_one_rank_only_fails_every_rank_at_once(pool, transpor
     `after_numbering`: the error comes after the op took its number and before
     it was queued (CUDA tensors' host copies are allocated there; a test hook
     stands in): it was not published, and the others waited for rank 1's next
-    op (review, static)."""
-    results = pool.run(3, _one_rank_rejects, transport, op, then, timeout=RUN_TIMEOUT_S)
+    op (review, static). With "wait", rank 1's next op comes only once the
+    others left the first (it used to come 2 s after their calls, which only
+    the 1.5 s bound below told from the store, and a busy machine could
+    stretch past it): one that waited for rank 1's next op would wait for the
+    group's timeout (10 s), and fail the checks below."""
+    results = pool.run(3, _one_rank_rejects, transport, op, then, _tag(),
+                       timeout=RUN_TIMEOUT_S)
     assert [res["kind"] for res in results] == [transport] * 3
     rejected = results[1]["first"]
     assert rejected is not None and rejected["is_value_error"], rejected
@@ -755,8 +767,13 @@ def test_a_bad_argument_on_one_rank_only_fails_every_rank_at_once(pool, transpor
         assert err is not None, f"rank {rank}: {op} succeeded although rank 1 rejected it"
         assert err["is_dist_backend_error"], f"rank {rank}: {err['type']}: {err['msg']}"
         assert err["elapsed_s"] < MISMATCH_DETECT_S, err
-        if then == "wait":  # found in the store, not through rank 1's next op at 2 s
-            assert err["elapsed_s"] < 1.5, err
+        if then == "wait":
+            # Found in the store about when rank 1 had rejected the op (this
+            # rank's wait polls it every 100 ms or so): counted from rank 1's
+            # rejection, or from this rank's call if that came later, not
+            # from this rank's call alone.
+            since = max(results[1]["returned"], results[rank]["called"])
+            assert results[rank]["returned"] - since < 1.5, (rank, results)
         assert "rejected this op at the call" in err["msg"], err
         assert problem in err["msg"], f"rank {rank} does not carry rank 1's error: {err}"
         print(f"{transport} {op}: rank {rank} raised after {err['elapsed_s']:.2f} s")

@@ -7,6 +7,8 @@ able to run the next op. Checked against gloo (ctx.oracle) and closed forms.
 """
 import os
 import time
+import uuid
+from datetime import timedelta
 
 import pytest
 import torch
@@ -365,11 +367,15 @@ def _destroy_timed(group, chained, abort=False):
         return [took, str(err)]
 
 
-def _destroy_while_a_callback_waits_for_a_later_receive(ctx, how):
+def _destroy_while_a_callback_waits_for_a_later_receive(ctx, how, tag):
     """Remote: on a fresh group, rank 0's tag-1 receive has a callback that
     waits for its tag-3 receive (through the Work or its Future); rank 1
     sends nothing, and rank 0 destroys (or aborts) the group. How long that
-    took and what the chained Future holds."""
+    took and what the chained Future holds. Rank 1 leaves the group only once
+    rank 0's destroy returned (it used to leave 0.5 s after the barrier: its
+    farewell could fail rank 0's receives first, "rank 1 left the group",
+    when rank 0 was slower than that, a busy machine)."""
+    sync = ctx.new_store(tag)
     group = dist.new_group()
     dist.barrier(group=group)
     out = None
@@ -383,9 +389,12 @@ def _destroy_while_a_callback_waits_for_a_later_receive(ctx, how):
         if how == "two-futures":  # two callbacks blocked at once in Future.wait()
             one = chained
             chained = second.get_future().then(wait).then(lambda f: one.wait())
-        out = _destroy_timed(group, chained, abort=how == "abort")
+        try:
+            out = _destroy_timed(group, chained, abort=how == "abort")
+        finally:
+            sync.set("destroyed", "1")
     else:
-        time.sleep(0.5)
+        sync.wait(["destroyed"], timedelta(seconds=30))
         dist.destroy_process_group(group)
     dist.barrier()
     return out
@@ -399,16 +408,19 @@ def test_destroy_while_a_p2p_callback_waits_for_a_later_receive(worlds, how):
     Future.wait() the destroy hung too: the p2p watcher left at the start of
     stop(), before the failures' callbacks ran."""
     took, error = worlds.run(2, _destroy_while_a_callback_waits_for_a_later_receive, how,
-                             timeout=30)[0]
+                             uuid.uuid4().hex, timeout=30)[0]
     assert took < 10, took
     assert "shut down" in error or "abort" in error, error
 
 
-def _destroy_while_a_queued_ops_callback_waits_for_a_later_one(ctx):
+def _destroy_while_a_queued_ops_callback_waits_for_a_later_one(ctx, tag):
     """Remote: on a fresh group rank 0 issues three async all_reduces that
     rank 1 never joins (the first runs and waits, two stay queued); the
     second's callback waits in Future.wait() for the third. Rank 0 destroys
-    the group: how long that took and what the chained Future holds."""
+    the group: how long that took and what the chained Future holds. Rank 1
+    leaves the group only once rank 0's destroy returned (it used to leave
+    0.5 s after the barrier, before a rank 0 slower than that)."""
+    sync = ctx.new_store(tag)
     group = dist.new_group()
     dist.barrier(group=group)
     out = None
@@ -416,10 +428,13 @@ def _destroy_while_a_queued_ops_callback_waits_for_a_later_one(ctx):
         works = [dist.all_reduce(torch.ones(4), group=group, async_op=True) for _ in range(3)]
         third = works[2].get_future()
         chained = works[1].get_future().then(lambda f: third.wait())
-        time.sleep(0.1)
-        out = _destroy_timed(group, chained)
+        time.sleep(0.1)  # the worker takes the first
+        try:
+            out = _destroy_timed(group, chained)
+        finally:
+            sync.set("destroyed", "1")
     else:
-        time.sleep(0.5)
+        sync.wait(["destroyed"], timedelta(seconds=30))
         dist.destroy_process_group(group)
     dist.barrier()
     return out
@@ -430,7 +445,7 @@ def test_destroy_while_a_queued_ops_callback_waits_for_a_later_one(worlds):
     thread: the second op's callback waited for the third, which was failed
     only after it, and the destroy never returned."""
     took, error = worlds.run(2, _destroy_while_a_queued_ops_callback_waits_for_a_later_one,
-                             timeout=30)[0]
+                             uuid.uuid4().hex, timeout=30)[0]
     assert took < 10, took
     assert "shut down" in error, error
 

@@ -21,6 +21,7 @@ Closed forms (S payload bytes, n ranks, B = S / n for the block collectives):
   send / recv                       S at each end
 """
 import os
+import uuid
 
 import pytest
 import torch
@@ -259,26 +260,37 @@ def test_cuda_tensors_count_like_host_tensors(worlds):
         assert stats == {"bytes_sent": RING, "bytes_received": RING, "ops": {"all_reduce": 1}}
 
 
-def _waits(ctx, transport):
+def _waits(ctx, transport, tag):
     """Rank 1 comes 50 ms late to an all-reduce: rank 0's wait outlasts the spin
-    and yield budgets (250 us) and sleeps; a reset zeroes the counts."""
+    and yield budgets (250 us) and sleeps; a reset zeroes the counts.
+
+    Late from the moment rank 0 issued it (a store key), not from the barrier:
+    a rank 0 that left the barrier 50 ms after rank 1 (a busy machine) found
+    rank 1's data there already, and never waited."""
     import time
+    from datetime import timedelta
 
     group = _group(ctx, transport)
+    sync = ctx.new_store(tag)
     backend = group._get_backend(torch.device("cpu"))
     dist.barrier(group=group)
     backend.reset_stats()
     zero = backend.wait_stats()
-    if ctx.rank == 1:
+    if ctx.rank == 0:
+        work = dist.all_reduce(torch.ones(1000), group=group, async_op=True)
+        sync.set("issued", "1")
+        work.wait()  # this thread runs the op if the worker has not taken it
+    else:
+        sync.wait(["issued"], timedelta(seconds=30))
         time.sleep(0.05)
-    dist.all_reduce(torch.ones(1000), group=group)
+        dist.all_reduce(torch.ones(1000), group=group)
     return {"zero": zero, "after": backend.wait_stats(),
             "allowed": sorted(os.sched_getaffinity(0))}
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 def test_wait_stats_count_what_the_waits_did(worlds, transport):
-    for rank, res in enumerate(worlds.run(2, _waits, transport)):
+    for rank, res in enumerate(worlds.run(2, _waits, transport, uuid.uuid4().hex)):
         zero, after = res["zero"], res["after"]
         assert (zero["spun"], zero["yielded"], zero["slept"], zero["migrations"],
                 zero["cpus"]) == (0, 0, 0, 0, []), (rank, zero)
