@@ -57,9 +57,8 @@ std::optional<std::chrono::milliseconds> P2PEngine::watchPeriodLocked() {
 }
 
 CallbackThreads::Look P2PEngine::lookLocked(std::chrono::milliseconds) {
-  if (!threads_.allInCallbacksLocked() || !pendingLocked()) {
-    return CallbackThreads::Look::kIdle;  // a thread is free, or nothing waits: armed again when not
-  }
+  // A thread is free, or nothing waits: armed again when not.
+  if (!threads_.allInCallbacksLocked() || !pendingLocked()) return CallbackThreads::Look::kIdle;
   // Past the first few, a rescue waits for a longer stall (common/rescue.h):
   // callbacks that are only slow return within it and end the stall.
   if (Clock::now() - busySince_ < rescueStall(rescues_)) return CallbackThreads::Look::kAgain;
