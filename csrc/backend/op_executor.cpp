@@ -1,5 +1,6 @@
 // OpExecutor (op_executor.h): the queue, the inline and helping runs, the
-// worker threads, settling each Work, the watcher, and stopping.
+// workers' loop, settling each Work, what the watcher looks at and does
+// (its thread and the workers' are common/callback_threads.h's), and stopping.
 #include "backend/op_executor.h"
 
 #include <c10/util/ScopeExit.h>
@@ -49,7 +50,7 @@ void OpExecutor::start(Owner owner) {
     gate_->owner = std::move(owner);
   }
   std::lock_guard<std::mutex> lock(mu_);
-  spawnWorkerLocked();
+  threads_.spawnLocked();
 }
 
 void OpExecutor::releaseOwner() {
@@ -57,14 +58,15 @@ void OpExecutor::releaseOwner() {
   gate_->owner = Owner(c10::intrusive_ptr<c10::intrusive_ptr_target>());
 }
 
-void OpExecutor::spawnWorkerLocked() {
+std::function<void()> OpExecutor::threadBodyLocked() {
   // Each worker keeps the owner's object (not the owner: it still shuts down
   // with its last strong reference) until it leaves its loop, so a stop may
   // detach it (from a callback, where joining could wait for this thread).
-  workers_.emplace_back([this, weak = owner()] {
-    nameThisThread("rr-worker");
-    workerLoop(weak);
-  });
+  return [this, weak = owner()] { workerLoop(weak); };
+}
+
+std::shared_ptr<void> OpExecutor::watcherKeepLocked() {
+  return std::make_shared<Owner>(owner());
 }
 
 void OpExecutor::ensureWorkerLocked() {
@@ -74,82 +76,50 @@ void OpExecutor::ensureWorkerLocked() {
   // the queue meanwhile. Only then: a worker that settles a Work while the
   // caller queues its next op (DDP's buckets, an async op waited at once) is
   // back in its loop within microseconds, and a thread per such op cost 10 us.
-  if (tWorkerInCallbacks && !stopping_ && !queue_.empty() &&
-      workersInCallbacks_ >= workers_.size()) {
-    spawnWorkerLocked();
+  if (tWorkerInCallbacks && !stopping_ && !queue_.empty() && threads_.allInCallbacksLocked()) {
+    threads_.spawnLocked();
   }
 }
 
-void OpExecutor::armWatcherLocked() {
-  if (stopping_) return;
-  if (!watcher_.joinable()) {
-    try {
-      watcher_ = std::thread([this, weak = owner()] {
-        nameThisThread("rr-watch");
-        watcherLoop(weak);
-      });
-    } catch (const std::system_error&) {
-      // No thread to be had: the ops go on without the rescue (a callback
-      // blocked as described waits, as before the watcher).
-    }
-  } else if (watcherIdle_) {
-    watcherIdle_ = false;  // at most one wake-up until it is idle again
-    watchCv_.notify_one();
-  }
+std::optional<std::chrono::milliseconds> OpExecutor::watchPeriodLocked() {
+  if (!watchingLocked()) return std::nullopt;
+  // Longer when the rescue needs a new worker past the first few
+  // (common/rescue.h: slow callbacks settle a Work within it).
+  watchMark_ = settled_;
+  return threads_.allInCallbacksLocked() ? rescueStall(threads_.liveLocked()) : kRescueAfter;
 }
 
-void OpExecutor::watcherLoop(const Owner& weak) {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stopping_) {
-    if (!watchingLocked()) {
-      watcherIdle_ = true;
-      watchCv_.wait(lock, [this] { return stopping_ || !watcherIdle_; });
-      continue;
-    }
-    // Sleeps the whole period (no wake-up when the Work settles: that would
-    // cost a context switch per op under DDP, whose bucket Futures are taken).
-    // Longer when the rescue needs a new worker past the first few
-    // (common/rescue.h: slow callbacks settle a Work within it).
-    const uint64_t mark = settled_;
-    const auto wait =
-        workersInCallbacks_ >= workers_.size() ? rescueStall(workers_.size()) : kRescueAfter;
-    watchCv_.wait_until(lock, std::chrono::steady_clock::now() + wait,
-                        [this] { return stopping_; });
-    if (stopping_ || settled_ != mark || !stalledLocked()) continue;
-    // Every finished op's Future is complete, so Futures still complete in
-    // issue order; the callbacks of this op may run before the held ones end,
-    // as with gloo's two threads. A worker runs it (a new one when every
-    // worker is in callbacks), not the watcher: that op's callbacks may wait
-    // in turn for the next op (a chain), which the watcher then rescues too.
-    // Callbacks that are only slow get rescued too, so a new worker past the
-    // first few needs a longer stall (above). With no thread to be had the
-    // watcher runs the op itself, as the only way left.
-    bool freeWorker = workersInCallbacks_ < workers_.size();
-    if (!freeWorker && wait < rescueStall(workers_.size())) {
-      continue;  // the workers filled up while it slept: wait the longer stall
-    }
-    if (!freeWorker) {
-      try {
-        spawnWorkerLocked();
-        freeWorker = true;
-      } catch (const std::system_error&) {
-      }
-    }
-    if (!freeWorker) {
-      {
-        Entry e = popFrontLocked();
-        lock.unlock();
-        c10::intrusive_ptr<c10::intrusive_ptr_target> self = weak.lock();
-        runAndSettle(e, true);
-      }  // the entry goes before mu_ is taken again (its tensors may need the GIL)
-      lock.lock();
-      continue;
-    }
-    rescue_ = true;
-    rescueMark_ = settled_;
-    cv_.notify_all();
+CallbackThreads::Look OpExecutor::lookLocked(std::chrono::milliseconds slept) {
+  if (settled_ != watchMark_ || !stalledLocked()) return CallbackThreads::Look::kAgain;
+  // The workers filled up while it slept: wait the longer stall.
+  if (threads_.allInCallbacksLocked() && slept < rescueStall(threads_.liveLocked())) {
+    return CallbackThreads::Look::kAgain;
   }
-  watcherIdle_ = false;
+  return CallbackThreads::Look::kRescue;
+}
+
+void OpExecutor::rescueLocked(std::unique_lock<std::mutex>& lock) {
+  // Every finished op's Future is complete, so Futures still complete in
+  // issue order; the callbacks of this op may run before the held ones end,
+  // as with gloo's two threads. A worker runs it (a new one when every
+  // worker is in callbacks), not the watcher: that op's callbacks may wait
+  // in turn for the next op (a chain), which the watcher then rescues too.
+  // Callbacks that are only slow get rescued too, so a new worker past the
+  // first few needs a longer stall (watchPeriodLocked). With no thread to be
+  // had the watcher runs the op itself, as the only way left.
+  if (threads_.ensureRunnerLocked() == CallbackThreads::Runner::kNone) {
+    {
+      Entry e = popFrontLocked();
+      lock.unlock();
+      c10::intrusive_ptr<c10::intrusive_ptr_target> self = owner().lock();
+      runAndSettle(e, true);
+    }  // the entry goes before mu_ is taken again (its tensors may need the GIL)
+    lock.lock();
+    return;
+  }
+  rescue_ = true;
+  rescueMark_ = settled_;
+  cv_.notify_all();
 }
 
 void OpExecutor::submit(Entry e, bool asyncOp) {
@@ -179,7 +149,7 @@ void OpExecutor::submit(Entry e, bool asyncOp) {
       if (e.nested) ++nestedQueued_;
       queue_.push_back(std::move(e));
       ensureWorkerLocked();
-      if (settlingTaken_ > 0) armWatcherLocked();
+      if (settlingTaken_ > 0) threads_.armWatcherLocked();
       cv_.notify_one();
       return;
     }
@@ -206,7 +176,7 @@ void OpExecutor::finishRunning(bool onWorker) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
-    if (onWorker) ++workersInCallbacks_;
+    if (onWorker) threads_.enterCallbacksLocked();
     // Its Work is settled next, by this thread (settle() ends it): until
     // then no other thread starts the next op (mayRunLocked), so Futures
     // complete in issue order.
@@ -243,7 +213,7 @@ void OpExecutor::settle(Entry& e, std::exception_ptr error, bool onWorker) {
     bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (onWorker) --workersInCallbacks_;
+      if (onWorker) threads_.leaveCallbacksLocked();
       if (work.counted) --settlingTaken_;
       work.lookClosed();  // under mu_: a late getFuture() no longer counts it
       ++settled_;
@@ -273,7 +243,7 @@ void OpExecutor::countTakenLocked(Work& work) {
   if (work.counted || !work.lookOpen()) return;
   work.counted = true;
   ++settlingTaken_;
-  if (!queue_.empty()) armWatcherLocked();
+  if (!queue_.empty()) threads_.armWatcherLocked();
 }
 
 OpExecutor::Entry OpExecutor::popFrontLocked() {
@@ -328,7 +298,10 @@ void OpExecutor::workerLoop(const Owner& weak) {
         return stopping_ ||
                (!queue_.empty() && !running_ && (mayRunLocked() || rescuingLocked()));
       });
-      if (queue_.empty()) return;
+      if (queue_.empty()) {
+        threads_.threadLeftLocked();
+        return;
+      }
       e = popFrontLocked();
     }
     // A strong reference for the op and its callbacks: one may drop the last
@@ -343,13 +316,12 @@ OpExecutor::Stopping OpExecutor::beginStop() {
   Stopping s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && workers_.empty()) {
+    if (stopping_) {  // no thread starts once it is set
       s.already = true;
       return s;
     }
     stopping_ = true;
-    s.threads.swap(workers_);  // a second stop returns above at once
-    if (watcher_.joinable()) s.threads.push_back(std::move(watcher_));
+    s.threads = threads_.takeAllLocked();
     s.dropped.swap(queue_);
     nestedQueued_ = 0;
     // An op whose Work completed may still hold running_ for a moment (its
@@ -358,7 +330,7 @@ OpExecutor::Stopping OpExecutor::beginStop() {
     s.busy = running_ && !runningConfirmed_.load(std::memory_order_acquire);
   }
   cv_.notify_all();
-  watchCv_.notify_all();
+  threads_.wakeWatcher();
   idleCv_.notify_all();  // a wait() in a callback for the queue
   return s;
 }

@@ -17,6 +17,10 @@
 //   never reaches Work::wait() (torch's Future::wait()), a worker the watcher
 //   lets run the front op when the queue has been stalled by such settling
 //   for kRescueAfter (common/rescue.h).
+// The workers ("rr-worker") and the watcher ("rr-watch") are a
+// CallbackThreads (common/callback_threads.h), as the p2p engine's are; the
+// executor is its Client: the workers' loop, when the queue is watched and
+// stalled, and what a rescue does.
 //
 // The executor knows nothing of transports: its owner runs each op (RunOp)
 // and decides what a failure means for the group. It keeps the owner alive
@@ -38,13 +42,14 @@
 #include <vector>
 
 #include "backend/work.h"
+#include "common/callback_threads.h"
 #include "transport/transport.h"
 
 namespace ringreduce {
 
 class Comm;
 
-class OpExecutor {
+class OpExecutor : private CallbackThreads::Client {
  public:
   using Job = std::function<void(const Comm&)>;
   struct Entry {
@@ -133,26 +138,46 @@ class OpExecutor {
   // `work` is not queued, another thread is running an op, or the executor is
   // stopping (Work::wait then blocks as before).
   void runQueuedUntil(const Work* work);
+  // The workers' loop: the queue's front op whenever it may run.
   void workerLoop(const Owner& owner);
-  // Workers: one at first; another whenever work is queued while every one
-  // is inside a Future's callbacks (which may wait for that work). With mu_.
-  void spawnWorkerLocked();
+  // Another worker when work is queued from a worker's callback while every
+  // worker is inside callbacks (which may wait for that work). With mu_.
   void ensureWorkerLocked();
-  // The watcher (thread "rr-watch", started the first time it is armed): a
-  // Future callback may block in torch's Future::wait() (which never reaches
-  // Work::wait) for an op queued behind its own Work, which no thread
-  // starts until that Work is settled. Armed (with mu_) while a Work whose
-  // Future was taken is settled with ops queued; when nothing has settled for
-  // kRescueAfter and the queue is held only by such settling (every finished
-  // op's Future complete), it lets a worker run the queue's front op (rescue_;
-  // a new worker when every one is in callbacks).
-  void armWatcherLocked();
+  // The watcher's view: a Future callback may block in torch's
+  // Future::wait() (which never reaches Work::wait) for an op queued behind
+  // its own Work, which no thread starts until that Work is settled. The
+  // queue is watched (with mu_) while a Work whose Future was taken is
+  // settled with ops queued (armed then), and stalled when no op runs, none
+  // may start, and every finished op's Future is complete; one stalled for
+  // a whole look, with no Work settled meanwhile, is rescued: a worker may
+  // run the queue's front op (rescue_; a new worker when every one is in
+  // callbacks).
   bool watchingLocked() const { return settlingTaken_ > 0 && !queue_.empty(); }
   bool stalledLocked() const {
     return watchingLocked() && !running_ && !mayRunLocked() && unmarked_.load() == 0;
   }
-  void watcherLoop(const Owner& owner);
   bool rescuingLocked() const { return rescue_ && settled_ == rescueMark_ && stalledLocked(); }
+
+  // CallbackThreads::Client, all with mu_ held (callback_threads.h):
+  // a worker running workerLoop(), holding the owner weakly;
+  std::function<void()> threadBodyLocked() override;
+  // the watcher holds the owner weakly too;
+  std::shared_ptr<void> watcherKeepLocked() override;
+  // no thread for the watcher: the ops go on without the rescue, and the next
+  // arming tries again;
+  bool retryWatcherLocked(const std::exception&) override { return true; }
+  // the watcher ends with the stop;
+  bool watcherDoneLocked() const override { return stopping_; }
+  // while watching: kRescueAfter, or, when the rescue needs a new worker
+  // past the first few, rescueStall(workers) (common/rescue.h: slow
+  // callbacks settle a Work within it); the look's mark is settled_ now;
+  std::optional<std::chrono::milliseconds> watchPeriodLocked() override;
+  // a rescue when the queue is stalled, no Work settled since the mark and,
+  // if a new worker is needed, the look was the longer one;
+  CallbackThreads::Look lookLocked(std::chrono::milliseconds slept) override;
+  // rescue_ for a free worker or a new one; with no thread to be had, the
+  // watcher runs the op itself (unlocking `lock` meanwhile).
+  void rescueLocked(std::unique_lock<std::mutex>& lock) override;
 
   const RunOp run_;
 
@@ -172,9 +197,9 @@ class OpExecutor {
   Owner owner() const;
   std::shared_ptr<Gate> gate_ = std::make_shared<Gate>(this);
 
-  // Locking: mu_ guards every field below that says so (cv_, idleCv_ and
-  // watchCv_ wait on it). It is never held while an op runs or a Work is
-  // settled, so a caller's submit never waits for an op.
+  // Locking: mu_ guards every field below that says so, and threads_ (cv_,
+  // idleCv_ and the watcher wait on it). It is never held while an op runs
+  // or a Work is settled, so a caller's submit never waits for an op.
   std::mutex mu_;
   std::condition_variable cv_;  // the workers wait on it for a runnable front op
   std::deque<Entry> queue_;     // guarded by mu_
@@ -184,8 +209,6 @@ class OpExecutor {
   // running_ set (under mu_), set by the op's thread without the lock (no
   // lock per op); beginStop() reads it under mu_.
   std::atomic<bool> runningConfirmed_{false};
-  std::vector<std::thread> workers_;  // guarded by mu_; taken by beginStop()
-  size_t workersInCallbacks_ = 0;     // guarded by mu_: workers settling a Work
   size_t settling_ = 0;               // guarded by mu_: Works being settled, any thread
   // Of those, the ones whose Future is not yet complete (their callbacks have
   // not started): a wait() in a callback may run the queue once this is 0
@@ -194,23 +217,23 @@ class OpExecutor {
   std::atomic<size_t> unmarked_{0};
   std::atomic<size_t> callbackWaiters_{0};
   size_t nestedQueued_ = 0;           // guarded by mu_: queued entries with `nested`
-  // The watcher, all guarded by mu_: its thread (taken by beginStop()),
-  // whether it waits with no deadline (an arm wakes it), the Works being
-  // settled whose Future was taken, and Works settled so far.
-  std::thread watcher_;
-  bool watcherIdle_ = false;
+  // The watcher's, guarded by mu_: Works being settled whose Future was
+  // taken, Works settled so far, and settled_ at its last sleep.
   size_t settlingTaken_ = 0;
   uint64_t settled_ = 0;
+  uint64_t watchMark_ = 0;
   // The watcher found the queue stalled: one worker may start its front op
   // although mayRunLocked() says no, while it is still stalled and no Work
   // settled since (settled_ still rescueMark_); the next popFrontLocked()
   // clears it.
   bool rescue_ = false;
   uint64_t rescueMark_ = 0;
-  std::condition_variable watchCv_;
   // waitIdle() waits on it for !running_; a wait() in a callback for the
   // queue to be its to run.
   std::condition_variable idleCv_;
+  // The workers and the watcher (guarded by mu_): taken by beginStop(); the
+  // workers in callbacks are those settling a Work (finishRunning to settle).
+  CallbackThreads threads_{mu_, *this, "rr-worker", "rr-watch"};
 };
 
 }  // namespace ringreduce

@@ -10,7 +10,8 @@
 //
 // This file: the engine's life (start, stop, fatal errors), posting and the
 // poll loop. The socket side (reads, matching, writes, deadlines) is in
-// p2p_wire.cpp, the threads and the watcher in p2p_threads.cpp.
+// p2p_wire.cpp, the engine's side of its threads and watcher in
+// p2p_threads.cpp (common/callback_threads.h runs them).
 #include "transport/tcp/p2p_engine.h"
 
 #include <fcntl.h>
@@ -42,7 +43,7 @@ std::shared_ptr<P2PEngine> P2PEngine::start(
                                             std::move(addrs), std::move(onFatal),
                                             std::move(explain));
   std::lock_guard<std::mutex> lock(engine->mu_);
-  engine->spawnLocked();
+  engine->threads_.spawnLocked();
   return engine;
 }
 
@@ -66,7 +67,7 @@ P2PEngine::P2PEngine(Private, int rank, int size, std::vector<int> fds,
 }
 
 // Every thread owns the engine, and a thread leaves loop() only after stop()
-// took it out of threads_: this runs once they are all gone (on the last of
+// took it out of threads_ (endAll): this runs once they are all gone (on the last of
 // them, or on the thread that dropped the last reference).
 P2PEngine::~P2PEngine() {
   for (int& fd : wakePipe_) {
@@ -84,7 +85,7 @@ void P2PEngine::stop() {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_.empty() && !stopping_) sayFarewellLocked();
     stopping_ = true;
-    if (fromCallback) detachNew_ = true;
+    if (fromCallback) threads_.letGoLocked();
     // The pending ops fail through ready_, run by the threads on their way
     // out, one at a time, with another thread started for a callback that
     // blocks (beforeBlocking), as while running: run here in a row, a callback
@@ -93,7 +94,8 @@ void P2PEngine::stop() {
     failAll("the process group was shut down", done);
     for (auto& d : done) ready_.push_back(std::move(d));
     // No thread left, or none free and none could start: run them here.
-    if (live_ == 0 || (!ready_.empty() && !ensureRunnerLocked("the failed ops"))) {
+    if (threads_.liveLocked() == 0 ||
+        (!ready_.empty() && !ensureRunnerLocked("the failed ops"))) {
       orphans.assign(std::make_move_iterator(ready_.begin()),
                      std::make_move_iterator(ready_.end()));
       ready_.clear();
@@ -110,7 +112,7 @@ void P2PEngine::stop() {
     fatalCv_.wait_for(lock, std::chrono::seconds(10), [this] { return fatalInFlight_ == 0; });
   }
   for (auto& [cb, args] : orphans) cb(args.first, args.second);
-  endThreads(fromCallback);
+  threads_.endAll(fromCallback);
 }
 
 void P2PEngine::sayFarewellLocked() {
@@ -125,40 +127,6 @@ void P2PEngine::sayFarewellLocked() {
     if (peer == rank_ || fds_[peer] < 0) continue;
     if (!sends_[peer].empty() && sends_[peer].front().done > 0) continue;
     (void)!::send(fds_[peer], &bye, sizeof(bye), MSG_NOSIGNAL | MSG_DONTWAIT);
-  }
-}
-
-void P2PEngine::endThreads(bool detach) {
-  // Joined until none is left: one blocked in a callback may start another.
-  while (true) {
-    std::vector<std::thread> threads;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      threads.swap(threads_);
-    }
-    if (threads.empty()) break;
-    for (auto& t : threads) {
-      if (detach) {
-        t.detach();
-      } else {
-        t.join();
-      }
-    }
-  }
-  // The watcher ends with the last thread (it may start threads for the
-  // failures' callbacks until then); it only ever waits for mu_.
-  std::thread watcher;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    watcher.swap(watcher_);
-  }
-  watchCv_.notify_all();
-  if (watcher.joinable()) {
-    if (detach) {
-      watcher.detach();
-    } else {
-      watcher.join();
-    }
   }
 }
 
@@ -177,7 +145,7 @@ void P2PEngine::postSend(const OpInfo& op, int peer, uint64_t tag, const void* d
       WireHeader h{kWireMagic, static_cast<uint8_t>(OpKind::kSend), op.dtype, kNoReduceOp, 0,
                    kNoRoot, 0, sendSeq_[peer]++, kUnchecked, tag, bytes};
       sends_[peer].push_back({op, h, static_cast<const char*>(data), 0, std::move(done)});
-      if (inCallbacks_ >= live_) armWatcherLocked();
+      if (threads_.allInCallbacksLocked()) threads_.armWatcherLocked();
     }
   }
   if (!failed.empty()) {
@@ -195,7 +163,8 @@ void P2PEngine::postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, s
     failed = failed_;
     if (failed.empty()) {
       recvs_.push_back({op, peer, tag, static_cast<char*>(data), bytes, std::move(done), false});
-      if (inCallbacks_ >= live_) armWatcherLocked();  // posted from a callback, every thread in one
+      // Posted from a callback, every thread in one.
+      if (threads_.allInCallbacksLocked()) threads_.armWatcherLocked();
     }
   }
   if (!failed.empty()) {
@@ -211,7 +180,7 @@ void P2PEngine::abort(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mu_);
     failAll(reason, done);
     // The threads run them (see stop()); after stop() none may be left.
-    if (live_ > 0 && (done.empty() || ensureRunnerLocked("the failed ops"))) {
+    if (threads_.liveLocked() > 0 && (done.empty() || ensureRunnerLocked("the failed ops"))) {
       for (auto& d : done) ready_.push_back(std::move(d));
       done.clear();
     }
@@ -266,7 +235,7 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
     fatalReason.clear();
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping && --fatalInFlight_ == 0) fatalCv_.notify_all();
-    --inCallbacks_;
+    threads_.leaveCallbacksLocked();
     for (auto& c : held) ready_.push_back(std::move(c));
     held.clear();
   }
@@ -281,7 +250,7 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
     }
     c.first(c.second.first, c.second.second);
     std::lock_guard<std::mutex> lock(mu_);
-    --inCallbacks_;
+    threads_.leaveCallbacksLocked();
   }
 }
 
@@ -319,9 +288,10 @@ void P2PEngine::loop() {
         // lock: a callback that blocks must not count on a thread that is
         // already on its way out (beforeBlocking).
         if (ready_.empty() && fatalReason.empty()) {
-          if (--live_ == 0) {
-            watchCv_.notify_all();  // the watcher ends with the last thread
-          } else if (inCallbacks_ >= live_) {
+          threads_.threadLeftLocked();
+          if (threads_.liveLocked() == 0) {
+            threads_.wakeWatcher();  // the watcher ends with the last thread
+          } else if (threads_.allInCallbacksLocked()) {
             busySince_ = Clock::now();  // the rest are all in callbacks
           }
           return;

@@ -9,10 +9,12 @@
 // has no hook (torch's Future::wait()) is caught by a watcher thread: when
 // every engine thread has been in callbacks for a while with ops pending, it
 // starts one more (common/rescue.h: slow callbacks look the same, and the
-// stall it waits for grows past the first few). Each thread
-// owns the engine (a shared_ptr): a callback may destroy the process group,
-// stopping the engine from its own thread, and drop the engine's last other
-// owner.
+// stall it waits for grows past the first few). The threads ("rr-p2p") and
+// the watcher ("rr-p2p-watch") are a CallbackThreads
+// (common/callback_threads.h), as the op executor's are; the engine is its
+// Client. Each thread and the watcher owns the engine (a shared_ptr): a
+// callback may destroy the process group, stopping the engine from its own
+// thread, and drop the engine's last other owner.
 #pragma once
 
 #include <poll.h>
@@ -29,13 +31,15 @@
 #include <thread>
 #include <vector>
 
+#include "common/callback_threads.h"
 #include "transport/transport.h"
 #include "transport/wire.h"
 
 namespace ringreduce {
 namespace tcp {
 
-class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
+class P2PEngine : public std::enable_shared_from_this<P2PEngine>,
+                  private CallbackThreads::Client {
   struct Private {};
 
  public:
@@ -113,11 +117,6 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   // stop(), before it fails the pending ops: a leave message to each peer
   // with no message half sent. mu_ held.
   void sayFarewellLocked();
-  // stop(): joins the engine's threads and then the watcher, or lets them go
-  // (`detach`: stop() runs in a callback on one of them).
-  void endThreads(bool detach);
-  // Starts one more thread running loop(); mu_ held.
-  void spawnLocked();
   // Runs onFatal_ with `fatalReason` (unless stop() came meanwhile) and then
   // queues `held` (that error's failures), then the ready completions one at
   // a time, oldest first (while one blocks in a callback, another thread
@@ -131,10 +130,23 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   void enterCallbacksLocked();
   // Ops are posted, queued or in flight; mu_ held.
   bool pendingLocked() const;
-  // Wakes the watcher (started the first time) to look in kRescueAfter; mu_ held.
-  void armWatcherLocked();
-  // The watcher's loop (see the class comment).
-  void watch();
+  // CallbackThreads::Client, all with mu_ held (callback_threads.h):
+  // a thread running loop() with the wait hook set, owning the engine;
+  std::function<void()> threadBodyLocked() override;
+  // the watcher owns the engine too;
+  std::shared_ptr<void> watcherKeepLocked() override;
+  // no watcher: a warning, and no second try;
+  bool retryWatcherLocked(const std::exception& err) override;
+  // it ends with the last thread, once stopping: the pending ops' failures
+  // wait in ready_ for the threads, whose callbacks may block as before;
+  bool watcherDoneLocked() const override { return stopping_ && threads_.liveLocked() == 0; }
+  // one look per kRescueAfter;
+  std::optional<std::chrono::milliseconds> watchPeriodLocked() override;
+  // idle once a thread is free or no op is pending; a rescue once every
+  // thread has been in callbacks (busySince_) for rescueStall(rescues_);
+  CallbackThreads::Look lookLocked(std::chrono::milliseconds slept) override;
+  // one more thread (counted in rescues_).
+  void rescueLocked(std::unique_lock<std::mutex>& lock) override;
   // Wakes a thread for what is ready, or starts one if every thread is in
   // callbacks; false if none could start. mu_ held.
   bool ensureRunnerLocked(const char* why);
@@ -162,7 +174,7 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   const std::vector<std::string> addrs_;
   int wakePipe_[2] = {-1, -1};
 
-  // Locking: mu_ guards everything from sends_ to inCallbacks_. An engine
+  // Locking: mu_ guards everything from sends_ to threads_. An engine
   // thread holds it while it reads and writes sockets (the helpers above that
   // take `done` run with it held) and drops it to poll and to run completions;
   // the callers' post/abort/stop take it briefly. Completions and onFatal_ run
@@ -182,10 +194,6 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   std::function<std::string(const std::string&)> explain_;
   bool stopping_ = false;
   std::deque<Completion> ready_;      // collected, not yet run (drain())
-  std::vector<std::thread> threads_;  // each runs loop() and owns the engine
-  size_t live_ = 0;                   // threads started and not yet out of loop()
-  bool detachNew_ = false;            // stop() from a callback let them go
-  size_t inCallbacks_ = 0;            // threads running completions
   // onFatal_ calls in progress: it works on the engine's owner (the mesh),
   // which stop() from a callback must not let go of meanwhile.
   size_t fatalInFlight_ = 0;
@@ -193,15 +201,13 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   bool polling_ = false;              // a thread polls (or reads and writes)
   size_t waiting_ = 0;                // threads waiting for their turn to poll
   std::condition_variable turnCv_;
-  // The watcher: started at its first arming, joined by stop() after the
-  // threads (detached when stop() runs in a callback).
-  std::thread watcher_;
-  std::condition_variable watchCv_;
-  bool watchArmed_ = false;
-  bool watcherFailed_ = false;        // it could not start: not tried again
-  bool watcherStarted_ = false;
-  std::chrono::steady_clock::time_point busySince_;  // since when every thread is in callbacks
-  size_t rescues_ = 0;                // threads the watcher started (or tried to)
+  // The watcher's stall: since when every thread is in callbacks, and the
+  // threads it started (or tried to).
+  std::chrono::steady_clock::time_point busySince_;
+  size_t rescues_ = 0;
+  // The threads running loop() and the watcher: stop() lets them go when it
+  // runs in a callback on one of them (letGoLocked), else joins them.
+  CallbackThreads threads_{mu_, *this, "rr-p2p", "rr-p2p-watch"};
 };
 
 }  // namespace tcp
