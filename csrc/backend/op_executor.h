@@ -29,7 +29,7 @@
 // thread that drops the one taken here).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <atomic>
 #include <chrono>
