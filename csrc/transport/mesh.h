@@ -17,16 +17,14 @@
 
 namespace ringreduce {
 
-// What a data path sees of the control plane while an op runs: failing the
-// op, watching the peers it waits for, the group's abort, and how to spend
-// idle time. The shared-memory path reaches the control plane only through
-// this (its set-up, through Mesh).
+// What a data path's waits see of the control plane while an op runs:
+// failing the op, watching the peers it waits for, whether the group was
+// aborted, and how to spend idle time. The shared-memory waits reach the
+// control plane only through this; the transport itself and its set-up hold
+// the Mesh.
 class ControlPlane {
  public:
   virtual ~ControlPlane() = default;
-
-  virtual int rank() const = 0;
-  virtual int size() const = 0;
 
   // Fails `op` as a failed transfer would: aborts the group, publishes the
   // error (the first one is named in every rank's message) and throws a
@@ -65,25 +63,22 @@ class ControlPlane {
                              const std::vector<int>& midMessage = {}) = 0;
   static constexpr std::chrono::milliseconds kLookAfter{100};
 
-  virtual void abort(const std::string& reason) = 0;
+  // Whether the group was aborted, and why (empty when healthy).
   virtual bool aborted() const = 0;
   virtual std::string abortReason() const = 0;
-  // Called first when this rank fails a collective (failOp, failTimeout),
-  // before the error is looked up or published (which may take a second): a
-  // data path tells its peers the op is abandoned, so none of them confirms
-  // it meanwhile (shared memory raises its segment's abort flag). One hook; an
-  // empty one removes it (its owner's destructor).
-  virtual void setAbandonHook(std::function<void(const OpInfo&)> hook) = 0;
 
   // How a waiting rank spends its idle time (shared by every data path).
   virtual WaitPolicy& waitPolicy() = 0;
 };
 
-// The whole control plane, as the backend and the data paths' set-up see it:
-// the rendezvous store, what the backend publishes and reads, and the
-// connections' diagnostics.
+// The whole control plane, as the backend, the transports and their set-up
+// see it: the rendezvous store, abort and its hooks, what the backend
+// publishes and reads, and the connections' diagnostics.
 class Mesh : public ControlPlane {
  public:
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
   // The store, with deadlines, and this group's key for `name` (the keys of a
   // re-created group differ).
   virtual StoreCalls& store() = 0;
@@ -92,6 +87,13 @@ class Mesh : public ControlPlane {
   // merely has data waiting, which a peer that finished set-up first may send).
   virtual bool hungUp(int peer) = 0;
 
+  virtual void abort(const std::string& reason) = 0;
+  // Called first when this rank fails a collective (failOp, failTimeout),
+  // before the error is looked up or published (which may take a second): a
+  // data path tells its peers the op is abandoned, so none of them confirms
+  // it meanwhile (shared memory raises its segment's abort flag). One hook; an
+  // empty one removes it (its owner's destructor).
+  virtual void setAbandonHook(std::function<void(const OpInfo&)> hook) = 0;
   // Runs before an abort the mesh starts itself (a broken point-to-point
   // connection), ahead of its sockets' shutdown: the group's transport
   // abandons its first unconfirmed op there (abandonUnconfirmed), as its own
