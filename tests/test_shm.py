@@ -189,7 +189,7 @@ def _stores_follow_measurement(ctx):
 
     rank, n = ctx.rank, ctx.world_size
     samples = 2 * 9  # RingStoreChooser::kSamples of each
-    chose, failures = {}, []
+    chose, reported, failures = {}, {}, []
     for slow in ("streaming", "plain"):
         old = _C._testing.shm_store_penalty_us(*((0, 1e6) if slow == "streaming" else (1e6, 0)))
         try:
@@ -207,9 +207,13 @@ def _stores_follow_measurement(ctx):
                 counts.append(_C._testing.shm_store_counts())
         finally:
             _C._testing.shm_store_penalty_us(*old)
+        backend = group._get_backend(CPU)
+        reported[slow] = [backend.wait_stats()["ring_stores"]]
+        backend.reset_stats()
+        reported[slow].append(backend.wait_stats()["ring_stores"])
         dist.destroy_process_group(group)
         chose[slow] = [tuple(b - a for a, b in zip(counts[k], counts[k + 1])) for k in (0, 1)]
-    return fits, chose, failures
+    return fits, chose, reported, failures
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -217,9 +221,19 @@ def test_ring_stores_follow_the_measured_op_times(worlds, world_size):
     """Where a host's ranks fit its cores, each rank times its first ops of each kind
     and size with both kinds of ring store, nine of each, then keeps the faster: here
     the one not made slow. Where they do not fit, every op takes plain stores."""
-    for rank, (fits, chose, failures) in enumerate(worlds.run(world_size,
-                                                             _stores_follow_measurement)):
+    for rank, (fits, chose, reported, failures) in enumerate(
+            worlds.run(world_size, _stores_follow_measurement)):
         assert failures == [], f"rank {rank}: {failures}"
+        # wait_stats()["ring_stores"] reports the group's ops by kind and size class
+        # (64 KiB messages), and reset_stats() zeroes them.
+        for slow in ("streaming", "plain"):
+            plain, streaming = ((38, 0) if not fits else
+                                (29, 9) if slow == "streaming" else (9, 29))
+            assert reported[slow] == [
+                {"mode": "measured" if fits else "plain",
+                 "ops": [{"op": "allgather", "size_class": 65536, "plain": plain,
+                          "streaming": streaming}]},
+                {"mode": "measured" if fits else "plain", "ops": []}], (rank, reported)
         if not fits:
             assert chose == {"streaming": [(0, 0), (0, 0)], "plain": [(0, 0), (0, 0)]}
             continue

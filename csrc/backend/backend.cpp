@@ -277,6 +277,7 @@ const WaitPolicy& Backend::waitPolicy() const {
 void Backend::resetStats() {
   traffic_->reset();
   transport_->mesh().waitPolicy().resetSummary();
+  transport_->ringStoreUse(true);
 }
 
 std::string Backend::listenAddress() const {

@@ -190,6 +190,9 @@ class Backend : public c10d::Backend {
   std::string abortReason() const { return transport_->abortReason(); }
   // How this rank waits for its peers (transport/wait_policy.h).
   const WaitPolicy& waitPolicy() const;
+  // How the shared-memory rings were written since creation or the last
+  // reset (Transport::ringStoreUse; empty mode without rings).
+  Transport::RingStoreUse ringStoreUse() const { return transport_->ringStoreUse(false); }
   std::vector<std::string> refusedConnections() const;
   // This rank's traffic on this group since creation or the last reset:
   // payload bytes sent and received, and ops issued by torch.distributed name

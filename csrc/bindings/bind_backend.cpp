@@ -120,6 +120,20 @@ void bindBackend(py::module_& m) {
             out["involuntary_switches"] = s.involuntarySwitches;
             out["minor_faults"] = s.minorFaults;
             out["major_faults"] = s.majorFaults;
+            const ringreduce::Transport::RingStoreUse use = b.ringStoreUse();
+            py::list ops;
+            for (const auto& row : use.rows) {
+              py::dict r;
+              r["op"] = ringreduce::opKindName(row.kind);
+              r["size_class"] = row.sizeClass;
+              r["plain"] = row.plain;
+              r["streaming"] = row.streaming;
+              ops.append(r);
+            }
+            py::dict stores;
+            stores["mode"] = use.mode;
+            stores["ops"] = ops;
+            out["ring_stores"] = stores;
             return out;
           },
           "This rank's waits for its peers on this group since it was created or last reset, "
@@ -130,7 +144,12 @@ void bindBackend(py::module_& m) {
           "runnable threads as last sampled (-1: not yet), which turn the spinning and "
           "yielding off}; and the process's own counts over the same time (getrusage, "
           "every thread and group of the process): 'voluntary_switches', "
-          "'involuntary_switches' (its threads preempted), 'minor_faults', 'major_faults'")
+          "'involuntary_switches' (its threads preempted), 'minor_faults', 'major_faults'; "
+          "and 'ring_stores': how this rank wrote its shared-memory rings, {'mode': "
+          "'measured' (timed per kind of op and size), 'plain' or 'streaming' (forced, or plain "
+          "because the ranks do not fit the cores), '' without rings; 'ops': per kind of op "
+          "and size class (the op's largest message in [size_class, 2 size_class) bytes, "
+          "16 KiB and up) the ops that took 'plain' and 'streaming' stores}")
       .def(
           "wait_policy",
           [](const ringreduce::Backend& b) {

@@ -95,6 +95,7 @@ class RoutedTransport : public Transport {
   Mesh& mesh() override { return tcp_->mesh(); }
   const Topology& topology() const override { return tcp_->topology(); }
   SharedBuffers* sharedBuffers() override { return shm_->sharedBuffers(); }
+  RingStoreUse ringStoreUse(bool reset) override { return shm_->ringStoreUse(reset); }
 
   void exchange(const OpInfo& op, std::vector<SendSpec>& sends,
                 std::vector<RecvSpec>& recvs) override {

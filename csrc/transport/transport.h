@@ -162,6 +162,28 @@ class Transport {
   // Stops threads and closes sockets. Idempotent; called by the destructor too.
   virtual void close() = 0;
 
+  // How this rank wrote its shared-memory rings (transport/shm/ring_stores.h),
+  // for a benchmark to print beside its table: `mode` "measured" (each
+  // producer times both kinds of store), "plain" or "streaming" (forced, or
+  // plain because the ranks do not fit the cores), empty without rings; and
+  // per kind of op and size class (the op's largest message, a power of two
+  // and up) how many ops took each kind. `reset` zeroes the counts after
+  // reading them. Cheap: the counts are kept per op of 16 KiB and more.
+  struct RingStoreUse {
+    struct Row {
+      OpKind kind;
+      size_t sizeClass;  // bytes: the largest message is in [sizeClass, 2 sizeClass)
+      uint64_t plain = 0;
+      uint64_t streaming = 0;
+    };
+    std::string mode;
+    std::vector<Row> rows;  // by kind, then size
+  };
+  virtual RingStoreUse ringStoreUse(bool reset) {
+    (void)reset;
+    return {};
+  }
+
   // Memory every rank of this rank's host maps, for algorithms that read
   // peers' data in place (transport/shared_buffers.h); null where there is
   // none (TCP, a rank alone on its host). Owned by the transport, valid until

@@ -286,7 +286,31 @@ def wait_summaries(ctx, groups):
                      f"{total['involuntary_switches']} preemptions, {total['minor_faults']} "
                      f"page faults; "
                      f"CPUs by rank: {cpus}; runnable threads {total['runnable_threads']}")
+        total["ring_stores"], line = _ring_stores(name, [r["ring_stores"] for r in every])
+        if line:
+            lines.append(line)
     return out, lines
+
+
+def _ring_stores(name, per_rank):
+    """The ranks' ring stores summed per op and size class, and a line for the
+    table (None when no op wrote a ring with a message of 16 KiB or more)."""
+    modes = sorted({r["mode"] for r in per_rank if r["mode"]})
+    counts = {}
+    for r in per_rank:
+        for row in r["ops"]:
+            key = (row["op"], row["size_class"])
+            plain, streaming = counts.get(key, (0, 0))
+            counts[key] = (plain + row["plain"], streaming + row["streaming"])
+    summary = {"modes": modes,
+               "ops": [{"op": op, "size_class": size, "plain": p, "streaming": st}
+                       for (op, size), (p, st) in sorted(counts.items())]}
+    if not counts:
+        return summary, None
+    parts = [f"{op} {bu.size_label(size)}+ {p} plain / {st} streaming"
+             for (op, size), (p, st) in sorted(counts.items())]
+    return summary, (f"# {name} ring stores (all ranks; {', '.join(modes)}): "
+                     + "; ".join(parts))
 
 
 # ------------------------------------------------------------ driver

@@ -5,8 +5,11 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -96,6 +99,19 @@ class ShmTransport : public Transport {
   const Topology& topology() const override { return topology_; }
   void close() override {}  // the segment is unmapped by the destructor
   SharedBuffers* sharedBuffers() override { return shared_.get(); }
+  RingStoreUse ringStoreUse(bool reset) override {
+    RingStoreUse out;
+    out.mode = stores_ == RingStores::kPlain       ? "plain"
+               : stores_ == RingStores::kStreaming ? "streaming"
+                                                   : "measured";
+    std::lock_guard<std::mutex> lock(useMu_);
+    for (const auto& [key, counts] : use_) {
+      out.rows.push_back({static_cast<OpKind>(key.first), size_t{1} << key.second, counts[0],
+                          counts[1]});
+    }
+    if (reset) use_.clear();
+    return out;
+  }
 
  private:
   int local(int peer) const { return members_.local[peer]; }
@@ -110,16 +126,20 @@ class ShmTransport : public Transport {
       opStart_ = Clock::now();
       opChosen_ = sampling_ = opStreams_ = false;
     }
-    if (opChosen_ || stores_ == RingStores::kPlain) return;
+    if (opChosen_) return;
     size_t largest = 0;
     for (const auto& s : sends) largest = std::max(largest, s.bytes);
     if (largest < kStreamingMinBytes) return;
     opChosen_ = true;
     opKind_ = static_cast<uint8_t>(op.kind);
     opBytes_ = largest;
-    opStreams_ = stores_ == RingStores::kStreaming ||
-                 chooser_.streaming(opKind_, largest, &sampling_);
-    hooks().storeCounts[opStreams_].fetch_add(1, std::memory_order_relaxed);
+    if (stores_ != RingStores::kPlain) {
+      opStreams_ = stores_ == RingStores::kStreaming ||
+                   chooser_.streaming(opKind_, largest, &sampling_);
+      hooks().storeCounts[opStreams_].fetch_add(1, std::memory_order_relaxed);
+    }
+    std::lock_guard<std::mutex> lock(useMu_);
+    ++use_[{opKind_, std::bit_width(largest) - 1}][opStreams_ ? 1 : 0];
   }
 
   // Copies as much of the message as the ring to s.peer has room for.
@@ -239,6 +259,10 @@ class ShmTransport : public Transport {
   uint8_t opKind_ = 0;
   size_t opBytes_ = 0;
   std::unique_ptr<SharedBuffers> shared_;
+  // The ops that chose their stores, per (kind, floor(log2(largest message)))
+  // (ringStoreUse); useMu_ guards use_ (read from any thread).
+  std::mutex useMu_;
+  std::map<std::pair<uint8_t, int>, std::array<uint64_t, 2>> use_;
   // exchange()'s progress records, reused (no allocation per exchange): one
   // exchange at a time runs on a transport (its op's thread).
   std::vector<SendState> sendProgress_;
