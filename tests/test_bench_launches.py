@@ -54,3 +54,18 @@ def test_every_other_launch_reverses_the_backends():
     assert bench_launches.reversed_backends(argv) == ["--nproc", "2", "--backends", "c", "b",
                                                       "a", "--ops", "allreduce"]
     assert bench_launches.reversed_backends(["--nproc", "2"]) == ["--nproc", "2"]
+
+
+def test_the_ring_stores_of_the_size_class_that_holds_the_row():
+    """The slowest launch's line names the ring stores of the largest size class
+    at or below the row's size (its messages), as the bench summed them over the ranks."""
+    stores = {"modes": ["measured"], "ops": [
+        {"op": "broadcast", "size_class": 65536, "plain": 3, "streaming": 4},
+        {"op": "broadcast", "size_class": 262144, "plain": 5, "streaming": 0},
+        {"op": "broadcast", "size_class": 1048576, "plain": 1, "streaming": 7}]}
+    assert bench_launches._stores_at(stores, 524288) == (
+        ", ring stores (262144 B+ messages): 5 plain / 0 streaming")
+    assert bench_launches._stores_at(stores, 65536) == (
+        ", ring stores (65536 B+ messages): 3 plain / 4 streaming")
+    assert bench_launches._stores_at(stores, 16384) == ""  # no ring message that small
+    assert bench_launches._stores_at(None, 65536) == ""    # gloo, or an older JSON

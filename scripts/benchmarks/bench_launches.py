@@ -122,7 +122,20 @@ def print_table(rows, docs):
                           f"{w.get('involuntary_switches', '?')} preemptions, "
                           f"{w.get('minor_faults', '?')} page faults, "
                           f"CPUs by rank {w['cpus_by_rank']}, "
-                          f"runnable threads {w['runnable_threads']}")
+                          f"runnable threads {w['runnable_threads']}"
+                          + _stores_at(w.get("ring_stores"), worst["size_bytes"]))
+
+
+def _stores_at(stores, size):
+    """', ring stores at SIZE: P plain / S streaming' for the size class that
+    holds the op's largest message (the whole buffer or less), or ''."""
+    rows = [r for r in (stores or {}).get("ops", []) if r["size_class"] <= size]
+    if not rows:
+        return ""
+    top = max(r["size_class"] for r in rows)
+    plain = sum(r["plain"] for r in rows if r["size_class"] == top)
+    streaming = sum(r["streaming"] for r in rows if r["size_class"] == top)
+    return f", ring stores ({top} B+ messages): {plain} plain / {streaming} streaming"
 
 
 def main(argv=None):
