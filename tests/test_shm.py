@@ -184,18 +184,21 @@ def test_ring_stores_move_exact_bytes(worlds, world_size):
 def _stores_follow_measurement(ctx):
     """All-gathers of 64 KiB per rank (every rank sends 64 KiB) on a new group whose
     measured op times (_testing.shm_store_penalty_us) make one kind of ring store slow:
-    how many ops chose each kind while it sampled, and after, per slow kind."""
+    what the group's wait_stats()["ring_stores"] says its ops chose while it sampled,
+    and after, per slow kind (reset_stats() between), and after a last reset."""
     from torch_ringreduce import _C
 
     rank, n = ctx.rank, ctx.world_size
     samples = 2 * 9  # RingStoreChooser::kSamples of each
-    chose, reported, failures = {}, {}, []
+    reported, failures = {}, []
     for slow in ("streaming", "plain"):
         old = _C._testing.shm_store_penalty_us(*((0, 1e6) if slow == "streaming" else (1e6, 0)))
         try:
             group = dist.new_group(backend="ringreduce")
-            fits = group._get_backend(CPU).wait_policy()["ranks_fit_cpus"]
-            counts = [_C._testing.shm_store_counts()]
+            backend = group._get_backend(CPU)
+            fits = backend.wait_policy()["ranks_fit_cpus"]
+            backend.reset_stats()
+            reported[slow] = []
             for phase in (samples, 20):
                 for i in range(phase):
                     ins = torch.full((16_384,), float(rank * 1000 + i))
@@ -204,42 +207,34 @@ def _stores_follow_measurement(ctx):
                     for r in range(n):
                         if not torch.equal(outs[r], torch.full((16_384,), float(r * 1000 + i))):
                             failures.append(f"{slow} slow, op {i}: rank {r}'s block differs")
-                counts.append(_C._testing.shm_store_counts())
+                reported[slow].append(backend.wait_stats()["ring_stores"])
+                backend.reset_stats()
+            reported[slow].append(backend.wait_stats()["ring_stores"])
         finally:
             _C._testing.shm_store_penalty_us(*old)
-        backend = group._get_backend(CPU)
-        reported[slow] = [backend.wait_stats()["ring_stores"]]
-        backend.reset_stats()
-        reported[slow].append(backend.wait_stats()["ring_stores"])
         dist.destroy_process_group(group)
-        chose[slow] = [tuple(b - a for a, b in zip(counts[k], counts[k + 1])) for k in (0, 1)]
-    return fits, chose, reported, failures
+    return fits, reported, failures
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ring_stores_follow_the_measured_op_times(worlds, world_size):
     """Where a host's ranks fit its cores, each rank times its first ops of each kind
     and size with both kinds of ring store, nine of each, then keeps the faster: here
-    the one not made slow. Where they do not fit, every op takes plain stores."""
-    for rank, (fits, chose, reported, failures) in enumerate(
+    the one not made slow. Where they do not fit, every op takes plain stores. The
+    group's wait_stats()["ring_stores"] reports it by kind of op and size class (the
+    64 KiB messages), and reset_stats() zeroes it."""
+    for rank, (fits, reported, failures) in enumerate(
             worlds.run(world_size, _stores_follow_measurement)):
         assert failures == [], f"rank {rank}: {failures}"
-        # wait_stats()["ring_stores"] reports the group's ops by kind and size class
-        # (64 KiB messages), and reset_stats() zeroes them.
-        for slow in ("streaming", "plain"):
-            plain, streaming = ((38, 0) if not fits else
-                                (29, 9) if slow == "streaming" else (9, 29))
-            assert reported[slow] == [
-                {"mode": "measured" if fits else "plain",
-                 "ops": [{"op": "allgather", "size_class": 65536, "plain": plain,
-                          "streaming": streaming}]},
-                {"mode": "measured" if fits else "plain", "ops": []}], (rank, reported)
-        if not fits:
-            assert chose == {"streaming": [(0, 0), (0, 0)], "plain": [(0, 0), (0, 0)]}
-            continue
         # (plain, streaming) ops: while sampling, then once chosen
-        assert chose["streaming"] == [(9, 9), (20, 0)], f"rank {rank}: {chose}"
-        assert chose["plain"] == [(9, 9), (0, 20)], f"rank {rank}: {chose}"
+        expected = ({"streaming": [(9, 9), (20, 0)], "plain": [(9, 9), (0, 20)]} if fits else
+                    {"streaming": [(18, 0), (20, 0)], "plain": [(18, 0), (20, 0)]})
+        mode = "measured" if fits else "plain"
+        for slow, phases in expected.items():
+            assert reported[slow] == [
+                {"mode": mode, "ops": [{"op": "allgather", "size_class": 65536, "plain": p,
+                                        "streaming": st}]} for p, st in phases
+            ] + [{"mode": mode, "ops": []}], f"rank {rank}, {slow} slow: {reported[slow]}"
 
 
 FOLD_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8,

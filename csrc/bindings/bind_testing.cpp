@@ -65,15 +65,6 @@ void bindTesting(py::module_& m) {
       "ring stores, where shared-memory groups choose between them by measurement; returns "
       "the previous pair.");
   t.def(
-      "shm_store_counts",
-      [] {
-        auto& c = ringreduce::shm::hooks().storeCounts;
-        return py::make_tuple(c[0].load(), c[1].load());
-      },
-      "how many shared-memory ops of this process chose plain and streaming "
-      "ring stores for their messages of 16 KiB and more.");
-
-  t.def(
       "shm_confirm_delay_ms",
       [](int64_t ms) { return std::exchange(ringreduce::shm::hooks().confirmDelayMs, ms); },
       py::arg("ms"),

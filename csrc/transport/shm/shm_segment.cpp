@@ -233,7 +233,7 @@ void PeerWait::idle(FunctionRef<bool()> ready, FunctionRef<void(std::vector<int>
   // other hosts cannot read the slot: a rank there waiting for this one over
   // TCP reads the op in the store.
   plane_.lookWhileIdle(op_, Clock::now() - idleSince_,
-                      std::any_of(localOf_.begin(), localOf_.end(), [](int l) { return l < 0; }));
+                       std::any_of(localOf_.begin(), localOf_.end(), [](int l) { return l < 0; }));
   gone_ = plane_.closedPeer(peers_);
 }
 

@@ -161,7 +161,7 @@ void raiseAbortFlag(Segment& seg, uint64_t from);
 
 // How a rank waits for its peers in the segment, for every wait alike:
 // busy-poll, then yield, then sleep on its doorbell a few ms at a time, as
-// the mesh's WaitPolicy says. Each idle pass checks the group's
+// the WaitPolicy says. Each idle pass checks the group's
 // abort flag and the op's deadline; each sleep also checks the peers still
 // waited for, and one whose connection closed fails the op if the next full
 // pass moves nothing (it may have finished its part and exited).

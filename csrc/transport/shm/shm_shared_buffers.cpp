@@ -161,9 +161,10 @@ class ShmSharedBuffers : public SharedBuffers {
     const auto timedOut = [&] {
       int peer = -1;
       behind(which, round, &peer);
-      plane_.failTimeout(op, peer >= 0 ? members_.ranks[peer] : -1, "Timed out after " + std::to_string(op.timeout.count()) +
-                                       " ms waiting for the peer to " + doing +
-                                       " in the shared staging areas");
+      plane_.failTimeout(op, peer >= 0 ? members_.ranks[peer] : -1,
+                         "Timed out after " + std::to_string(op.timeout.count()) +
+                             " ms waiting for the peer to " + doing +
+                             " in the shared staging areas");
     };
     while (true) {
       const int sender = firstSender();

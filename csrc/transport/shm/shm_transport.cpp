@@ -133,11 +133,9 @@ class ShmTransport : public Transport {
     opChosen_ = true;
     opKind_ = static_cast<uint8_t>(op.kind);
     opBytes_ = largest;
-    if (stores_ != RingStores::kPlain) {
-      opStreams_ = stores_ == RingStores::kStreaming ||
-                   chooser_.streaming(opKind_, largest, &sampling_);
-      hooks().storeCounts[opStreams_].fetch_add(1, std::memory_order_relaxed);
-    }
+    opStreams_ = stores_ == RingStores::kStreaming ||
+                 (stores_ == RingStores::kMeasured &&
+                  chooser_.streaming(opKind_, largest, &sampling_));
     std::lock_guard<std::mutex> lock(useMu_);
     ++use_[{opKind_, std::bit_width(largest) - 1}][opStreams_ ? 1 : 0];
   }

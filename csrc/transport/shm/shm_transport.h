@@ -51,9 +51,8 @@ struct ShmTestHooks {
   // else plain: copyIntoRing), 0 plain stores, 1 streaming.
   int ringStores = -1;
   // Added to each measured op time of plain [0] and streaming [1] stores
-  // (ring_stores.h), and how many ops chose each since the process began.
+  // (ring_stores.h). What each op chose: Transport::ringStoreUse.
   std::array<std::atomic<double>, 2> storePenaltyUs{};
-  std::array<std::atomic<uint64_t>, 2> storeCounts{};
   // confirm() sleeps this long before its check: widens the window between
   // an op's last transfer and its final check (the abort-flag tests).
   int64_t confirmDelayMs = 0;
