@@ -602,7 +602,7 @@ def _threads_around_destroy(ctx):
     later = dist.all_reduce(torch.ones(4), async_op=True).get_future()
     first.get_future().then(lambda f: later.wait()).wait()
     # Two receives' callbacks blocked at once in Future.wait() for a third
-    # (rank 1 sends it late): the p2p engine's watcher starts a thread. Rank 1
+    # (rank 1 sends it late): the executor's watcher starts a worker. Rank 1
     # sends only once rank 0 attached them (it used to send 0.2 s after the
     # all-reduces: a rank 0 slower than that, a busy machine, attached them to
     # completed receives, ran them on its own thread, and no watcher started).
@@ -1176,7 +1176,7 @@ def test_destroy_joins_every_thread_even_while_ddp_holds_the_group(bare_worlds):
     joined by destroy_process_group itself."""
     for rank, res in enumerate(bare_worlds(2).run(_threads_around_destroy, timeout=60)):
         assert res["held"], f"rank {rank}: the DDP model no longer holds the group"
-        expected = {"rr-worker", "rr-p2p"} | ({"rr-p2p-watch"} if rank == 0 else set())
+        expected = {"rr-worker", "rr-p2p"} | ({"rr-watch"} if rank == 0 else set())
         assert expected <= set(res["during"]), (
             f"rank {rank}: threads while training: {res['during']}")
         assert res["after"] == [], f"rank {rank}: still running after destroy: {res['after']}"

@@ -243,3 +243,42 @@ def test_leaving_with_an_unread_message_delivers_what_was_sent(worlds):
         out = worlds.run(2, _leaves_holding_an_unread_message, count, timeout=60)[1]
         assert out["recv"] is None, (count, out)
         assert out["equal"], (count, out)
+
+
+def _where_receives_settle(ctx, ops):
+    """Remote: rank 0 posts a receive, tells rank 1 (a store key) and waits
+    for it; rank 1 sends once told. Rank 0 records the thread each receive's
+    Future callback ran on, and the data."""
+    import threading
+
+    store = ctx.new_store("settle")
+    if ctx.rank == 1:
+        for k in range(ops):
+            store.wait([f"posted/{k}"])
+            dist.send(torch.full((8,), float(k)), dst=0, tag=k)
+        return None
+    here = threading.get_ident()
+    ran_on, values = [], []
+    for k in range(ops):
+        t = torch.zeros(8)
+        work = dist.irecv(t, src=1, tag=k)
+        work.get_future().add_done_callback(lambda f: ran_on.append(threading.get_ident()))
+        store.set(f"posted/{k}", "1")
+        work.wait()
+        values.append(t)
+    return [sum(r == here for r in ran_on), len(ran_on), values]
+
+
+def test_a_waited_receive_is_settled_on_the_waiting_thread(worlds):
+    """The transport's thread completes a receive; the executor settles its
+    Work on the thread blocked in wait() (a helping wait), so the Future's
+    callbacks run there and the wait saves a hand-off to a worker. The
+    message leaves rank 1 only after rank 0 is about to wait, so nearly every
+    completion finds the wait in place (one missed is settled on a worker,
+    and the wait still returns)."""
+    ops = 40
+    on_waiter, callbacks, values = worlds.run(2, _where_receives_settle, ops, timeout=60)[0]
+    for k, v in enumerate(values):
+        assert torch.equal(v, torch.full((8,), float(k))), k
+    assert callbacks == ops
+    assert on_waiter >= ops // 2, f"{on_waiter} of {ops} settled on the waiting thread"

@@ -83,17 +83,24 @@ void Backend::shutdown() {
       stop.dropped, [&why](const OpExecutor::Entry& e) {
         return transportError(e.op.ctx.message(why));  // names rank, op, tensor
       });
+  // The p2p completions no thread took yet are settled too.
+  std::vector<std::thread> settling = executor_.settleDropped(stop);
   // An op running on a caller's thread (inline or a helping wait()) is
   // aborted: let it leave the transport before it is closed.
   executor_.waitIdle();
   transport_->mesh().setAbortHook(nullptr);  // waits for a call in progress
   // Closed before the executor's threads end: no op runs any more, but a
   // worker's Future callback may wait for a point-to-point op that only the
-  // transport's threads complete, and this may be one of those threads (a p2p
-  // callback that destroys the group). Closing fails such ops.
+  // transport's thread completes. Closing fails such ops; their Works are
+  // settled on the closing thread, or aside (takeLateThreads).
   transport_->close();
-  stop.threads.insert(stop.threads.end(), std::make_move_iterator(failing.begin()),
-                      std::make_move_iterator(failing.end()));
+  for (auto* more : {&failing, &settling}) {
+    stop.threads.insert(stop.threads.end(), std::make_move_iterator(more->begin()),
+                        std::make_move_iterator(more->end()));
+  }
+  std::vector<std::thread> late = executor_.takeLateThreads();
+  stop.threads.insert(stop.threads.end(), std::make_move_iterator(late.begin()),
+                      std::make_move_iterator(late.end()));
   OpExecutor::endThreads(std::move(stop.threads));
 }
 

@@ -5,8 +5,8 @@
 // Work and hands a closure to the group's OpExecutor (op_executor.h),
 // which runs the algorithms over the transport in issue order. Every rank
 // issues collectives in the same order, so the per-op sequence number names
-// an op across ranks. Point-to-point ops bypass the executor and go straight
-// to the transport's p2p engine.
+// an op across ranks. Point-to-point ops go straight to the transport's p2p
+// engine, apart from that order; the executor settles their Works.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

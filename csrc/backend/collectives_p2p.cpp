@@ -8,6 +8,29 @@
 #include "transport/mesh.h"
 
 namespace ringreduce {
+namespace {
+
+// A receive's Work, once its message is in `s` (or it failed): the copy back
+// into the user's tensor `h` (from a staging copy, or for CUDA), then done.
+void settleReceive(Work& work, const at::Tensor& h, const at::Tensor& s, int source,
+                   std::exception_ptr err) {
+  if (err) {
+    work.fail(err);
+    return;
+  }
+  try {
+    at::NoGradGuard noGrad;
+    at::AutoDispatchBelowADInplaceOrView raw;  // as runOp()
+    writeBack(h, s);
+    work.stage().afterRun();
+  } catch (...) {
+    work.fail(std::current_exception());
+    return;
+  }
+  work.complete(source);
+}
+
+}  // namespace
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   OpInfo op = makeOp(OpKind::kBarrier, "barrier", at::Tensor(), kNoReduceOp, 0);
@@ -113,14 +136,20 @@ c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, i
   at::Tensor h = stage.in(t);
   stage.beforeRun(gpuWaitCheck(op));
   at::Tensor s = staged(h);  // kept alive by the callback until sent
-  commFor(op).postSend(dstRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
-                       [work, s](int, std::exception_ptr err) {
-                         if (err) {
-                           work->fail(err);
-                           return;
-                         }
-                         work->complete();
-                       });
+  // The transport's thread hands the Work to the executor to settle (or the
+  // message went at once, and the Work is settled here).
+  executor_.postP2P(work, [&](const OpExecutor::Completion& completion) {
+    commFor(op).postSend(dstRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
+                         [completion, work, s](int, std::exception_ptr err) {
+                           completion([work, err] {
+                             if (err) {
+                               work->fail(err);
+                               return;
+                             }
+                             work->complete();
+                           });
+                         });
+  });
   return work;
 }
 
@@ -151,23 +180,16 @@ c10::intrusive_ptr<c10d::Work> Backend::postRecv(std::vector<at::Tensor>& tensor
   auto work = c10::make_intrusive<Work>(op.ctx, type, tensors, std::move(stage));
   track(work);
   at::Tensor s = staged(h);
-  commFor(op).postRecv(srcRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
-                       [work, s, h](int source, std::exception_ptr err) {
-                         if (err) {
-                           work->fail(err);
-                           return;
-                         }
-                         try {
-                           at::NoGradGuard noGrad;
-                           at::AutoDispatchBelowADInplaceOrView raw;  // as runOp()
-                           writeBack(h, s);
-                           work->stage().afterRun();
-                         } catch (...) {
-                           work->fail(std::current_exception());
-                           return;
-                         }
-                         work->complete(source);
-                       });
+  // The transport's thread hands the Work to the executor to settle (the
+  // write-back included: CUDA copies are queued by the thread that settles).
+  executor_.postP2P(work, [&](const OpExecutor::Completion& completion) {
+    commFor(op).postRecv(srcRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
+                         [completion, work, s, h](int source, std::exception_ptr err) {
+                           completion([work, s, h, source, err] {
+                             settleReceive(*work, h, s, source, err);
+                           });
+                         });
+  });
   return work;
 }
 

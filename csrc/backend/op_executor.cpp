@@ -12,7 +12,6 @@
 #include "common/rescue.h"
 #include "common/test_hooks.h"
 #include "common/thread_name.h"
-#include "common/wait_hook.h"
 
 namespace ringreduce {
 namespace {
@@ -26,17 +25,27 @@ thread_local bool tRunningOps = false;
 thread_local bool tWorkerInCallbacks = false;
 // How many Works this thread is settling (nested: a callback's own op).
 thread_local int tSettlingDepth = 0;
+// How many p2p completions this thread is settling.
+thread_local int tCompletingDepth = 0;
+// The p2p op this thread is posting (postP2P).
+thread_local const Work* tPosting = nullptr;
 
 }  // namespace
 
 OpExecutor::OpExecutor(RunOp run) : run_(std::move(run)) {}
+
+OpExecutor::~OpExecutor() {
+  // Completions settled aside after the stop took its threads (the transport
+  // let its thread go, from one of its callbacks): nobody joins them.
+  for (auto& t : late_) t.detach();
+}
 
 bool OpExecutor::runningOpsHere() {
   return tRunningOps;
 }
 
 bool OpExecutor::settlingHere() {
-  return tSettlingDepth > 0;
+  return tSettlingDepth > 0 || tCompletingDepth > 0;
 }
 
 OpExecutor::Owner OpExecutor::owner() const {
@@ -86,15 +95,19 @@ std::optional<std::chrono::milliseconds> OpExecutor::watchPeriodLocked() {
   // Longer when the rescue needs a new worker past the first few
   // (common/rescue.h: slow callbacks settle a Work within it).
   watchMark_ = settled_;
+  completionsMark_ = completionsTaken_;
   return threads_.allInCallbacksLocked() ? rescueStall(threads_.liveLocked()) : kRescueAfter;
 }
 
 CallbackThreads::Look OpExecutor::lookLocked(std::chrono::milliseconds slept) {
-  if (settled_ != watchMark_ || !stalledLocked()) return CallbackThreads::Look::kAgain;
+  const bool queue = settled_ == watchMark_ && stalledLocked();
+  const bool completions = completionsStalledLocked();
+  if (!queue && !completions) return CallbackThreads::Look::kAgain;
   // The workers filled up while it slept: wait the longer stall.
   if (threads_.allInCallbacksLocked() && slept < rescueStall(threads_.liveLocked())) {
     return CallbackThreads::Look::kAgain;
   }
+  rescueCompletion_ = !queue;
   return CallbackThreads::Look::kRescue;
 }
 
@@ -107,6 +120,23 @@ void OpExecutor::rescueLocked(std::unique_lock<std::mutex>& lock) {
   // Callbacks that are only slow get rescued too, so a new worker past the
   // first few needs a longer stall (watchPeriodLocked). With no thread to be
   // had the watcher runs the op itself, as the only way left.
+  if (rescueCompletion_) {
+    // Completions held by callbacks (no worker idle): a new worker takes the
+    // next; with none to be had, the watcher settles it itself.
+    try {
+      threads_.spawnLocked();
+      return;
+    } catch (const std::exception&) {
+    }
+    {
+      auto c = takeFreeCompletionLocked();
+      lock.unlock();
+      c10::intrusive_ptr<c10::intrusive_ptr_target> self = owner().lock();
+      runCompletion(c, false);
+    }
+    lock.lock();
+    return;
+  }
   if (threads_.ensureRunnerLocked() == CallbackThreads::Runner::kNone) {
     {
       Entry e = popFrontLocked();
@@ -176,7 +206,10 @@ void OpExecutor::finishRunning(bool onWorker) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
-    if (onWorker) threads_.enterCallbacksLocked();
+    if (onWorker) {
+      workerRunsOp_ = false;
+      threads_.enterCallbacksLocked();
+    }
     // Its Work is settled next, by this thread (settle() ends it): until
     // then no other thread starts the next op (mayRunLocked), so Futures
     // complete in issue order.
@@ -292,24 +325,224 @@ void OpExecutor::runQueuedUntil(const Work* work) {
 void OpExecutor::workerLoop(const Owner& weak) {
   while (true) {
     Entry e;
+    std::pair<c10::intrusive_ptr<Work>, Settle> completion;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      ++idle_;
       cv_.wait(lock, [this] {
-        return stopping_ ||
+        return stopping_ || hasFreeCompletionLocked() ||
                (!queue_.empty() && !running_ && (mayRunLocked() || rescuingLocked()));
       });
-      if (queue_.empty()) {
+      --idle_;
+      if (!stopping_ && hasFreeCompletionLocked()) {
+        completion = takeFreeCompletionLocked();
+        threads_.enterCallbacksLocked();
+        // More came meanwhile (this worker was woken for one): a callback of
+        // this one may wait for them.
+        ensureCompleterLocked();
+      } else if (queue_.empty()) {
         threads_.threadLeftLocked();
         return;
+      } else {
+        e = popFrontLocked();
+        workerRunsOp_ = true;
       }
-      e = popFrontLocked();
     }
     // A strong reference for the op and its callbacks: one may drop the last
     // other one. Dropping this one may then shut the owner down here; `weak`
     // keeps the object, and the loop ends on stopping_.
     c10::intrusive_ptr<c10::intrusive_ptr_target> self = weak.lock();
-    runAndSettle(e, true);
+    if (completion.first) {
+      runCompletion(completion, true);
+    } else {
+      runAndSettle(e, true);
+    }
   }
+}
+
+// ---- point-to-point completions --------------------------------------------
+
+void OpExecutor::postP2P(const c10::intrusive_ptr<Work>& work,
+                         const std::function<void(Completion)>& post) {
+  const Work* outer = tPosting;
+  tPosting = work.get();
+  auto restore = c10::make_scope_exit([outer] { tPosting = outer; });
+  post(p2pCompletion(work));
+}
+
+OpExecutor::Completion OpExecutor::p2pCompletion(const c10::intrusive_ptr<Work>& work) {
+  work->setHelper([gate = gate_](Work* w) {
+    if (tRunningOps) return;  // inside an op's run: no waiting for another here
+    if (c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong()) {
+      gate->executor->settleWhenComplete(w);
+    }
+  });
+  return [gate = gate_, work](Settle settle) {
+    if (tPosting == work.get()) {  // done within its post: not returned yet
+      settle();
+      return;
+    }
+    {
+      // Holding the owner keeps the executor; dropping it may shut the owner
+      // down here (nothing after touches the executor).
+      c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong();
+      if (self) {
+        OpExecutor& ex = *gate->executor;
+        std::lock_guard<std::mutex> lock(ex.mu_);
+        if (ex.completeLocked(work, settle)) return;
+      }
+    }
+    // Stopped, or the owner is gone: settled here, or aside when its
+    // callbacks may wait (handed to the stop while the owner is there).
+    std::optional<std::thread> t = settleAside(*work, std::move(settle));
+    if (!t) return;
+    if (c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong()) {
+      std::lock_guard<std::mutex> lock(gate->executor->mu_);
+      gate->executor->late_.push_back(std::move(*t));
+      return;
+    }
+    t->detach();
+  };
+}
+
+bool OpExecutor::completeLocked(c10::intrusive_ptr<Work> work, Settle& settle) {
+  if (stopping_) return false;
+  const bool waited = work->p2pWaiters > 0;
+  completed_.emplace_back(std::move(work), std::move(settle));
+  if (waited) {
+    completedCv_.notify_all();  // its helping wait takes it
+    return true;
+  }
+  ensureCompleterLocked();
+  return true;
+}
+
+void OpExecutor::ensureCompleterLocked() {
+  if (stopping_ || !hasFreeCompletionLocked()) return;
+  if (idle_ > 0) {
+    cv_.notify_one();
+    return;
+  }
+  // Every worker is busy. One running an op waits for the peers, which may
+  // wait for this completion's callbacks (a send they post); one in a helping
+  // wait waits for another p2p op: another worker now. Callbacks that are
+  // only slow return: the watcher's stall tells them from blocked ones.
+  if (workerRunsOp_ || helpingWorkers_ > 0) {
+    try {
+      threads_.spawnLocked();
+      return;
+    } catch (const std::exception&) {
+      // no thread: the watcher tries again
+    }
+  }
+  threads_.armWatcherLocked();
+}
+
+bool OpExecutor::hasFreeCompletionLocked() const {
+  return std::any_of(completed_.begin(), completed_.end(),
+                     [](const auto& c) { return c.first->p2pWaiters == 0; });
+}
+
+std::pair<c10::intrusive_ptr<Work>, OpExecutor::Settle> OpExecutor::takeFreeCompletionLocked() {
+  auto it = std::find_if(completed_.begin(), completed_.end(),
+                         [](const auto& c) { return c.first->p2pWaiters == 0; });
+  auto c = std::move(*it);
+  completed_.erase(it);
+  c.first->p2pTaken = true;
+  ++completionsTaken_;
+  rescueCompletion_ = false;
+  return c;
+}
+
+void OpExecutor::runCompletion(std::pair<c10::intrusive_ptr<Work>, Settle>& c, bool onWorker) {
+  {
+    ++tCompletingDepth;
+    const bool outerOnWorker = tWorkerInCallbacks;
+    tWorkerInCallbacks = outerOnWorker || onWorker;
+    auto restore = c10::make_scope_exit([outerOnWorker] {
+      --tCompletingDepth;
+      tWorkerInCallbacks = outerOnWorker;
+    });
+    c.second();  // must not throw (the backend's settle catches)
+    c.second = nullptr;  // its tensors go here, before mu_ (they may need the GIL)
+  }
+  if (onWorker) {
+    std::lock_guard<std::mutex> lock(mu_);
+    threads_.leaveCallbacksLocked();
+  }
+}
+
+void OpExecutor::settleWhenComplete(Work* work) {
+  std::pair<c10::intrusive_ptr<Work>, Settle> mine;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (work->p2pTaken) return;
+    ++work->p2pWaiters;
+    // A worker blocks here from a callback: the completions meanwhile need
+    // another.
+    const bool worker = tWorkerInCallbacks;
+    if (worker) {
+      ++helpingWorkers_;
+      ensureCompleterLocked();
+    }
+    while (!stopping_ && !work->p2pTaken) {
+      auto it = std::find_if(completed_.begin(), completed_.end(),
+                             [work](const auto& c) { return c.first.get() == work; });
+      if (it != completed_.end()) {
+        mine = std::move(*it);
+        completed_.erase(it);
+        work->p2pTaken = true;
+        ++completionsTaken_;
+        break;
+      }
+      completedCv_.wait(lock);
+    }
+    --work->p2pWaiters;
+    if (worker) --helpingWorkers_;
+    // Stopping with its completion queued: settleDropped() settles it.
+  }
+  if (mine.first) runCompletion(mine, false);
+}
+
+std::optional<std::thread> OpExecutor::settleAside(Work& work, Settle settle) {
+  if (!work.futureTaken()) {
+    settle();
+    return std::nullopt;
+  }
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> settled = done->get_future();
+  try {
+    std::thread t([settle = std::move(settle), done]() mutable {
+      nameThisThread("rr-worker");
+      ++tCompletingDepth;
+      settle();
+      settle = nullptr;
+      done->set_value();
+    });
+    settled.wait_for(kRescueAfter);
+    return t;
+  } catch (const std::system_error&) {
+    settle();  // no thread to be had: here, as before
+    return std::nullopt;
+  }
+}
+
+std::vector<std::thread> OpExecutor::settleDropped(Stopping& s) {
+  std::vector<std::thread> threads;
+  for (auto& [work, settle] : s.completed) {
+    if (std::optional<std::thread> t = settleAside(*work, std::move(settle))) {
+      threads.push_back(std::move(*t));
+    }
+  }
+  s.completed.clear();
+  return threads;
+}
+
+std::vector<std::thread> OpExecutor::takeLateThreads() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::thread> late;
+  late.swap(late_);
+  return late;
 }
 
 OpExecutor::Stopping OpExecutor::beginStop() {
@@ -323,6 +556,7 @@ OpExecutor::Stopping OpExecutor::beginStop() {
     stopping_ = true;
     s.threads = threads_.takeAllLocked();
     s.dropped.swap(queue_);
+    s.completed.swap(completed_);
     nestedQueued_ = 0;
     // An op whose Work completed may still hold running_ for a moment (its
     // thread is on the way out of its run): it needs no abort, and aborting
@@ -331,7 +565,8 @@ OpExecutor::Stopping OpExecutor::beginStop() {
   }
   cv_.notify_all();
   threads_.wakeWatcher();
-  idleCv_.notify_all();  // a wait() in a callback for the queue
+  idleCv_.notify_all();       // a wait() in a callback for the queue
+  completedCv_.notify_all();  // a helping wait for a p2p completion
   return s;
 }
 
@@ -341,23 +576,10 @@ std::vector<std::thread> OpExecutor::failDropped(
   std::vector<std::thread> failing;
   for (auto& e : dropped) {
     std::exception_ptr why = error(e);
-    if (!e.work->futureTaken()) {
-      e.work->fail(why);
-      continue;
+    if (std::optional<std::thread> t =
+            settleAside(*e.work, [work = e.work, why] { work->fail(why); })) {
+      failing.push_back(std::move(*t));
     }
-    auto done = std::make_shared<std::promise<void>>();
-    std::future<void> failed = done->get_future();
-    try {
-      failing.emplace_back([work = e.work, why, done] {
-        nameThisThread("rr-worker");
-        work->fail(why);
-        done->set_value();
-      });
-    } catch (const std::system_error&) {
-      e.work->fail(why);  // no thread to be had: in a row, as before
-      continue;
-    }
-    failed.wait_for(kRescueAfter);
   }
   return failing;
 }
@@ -369,11 +591,11 @@ void OpExecutor::waitIdle() {
 
 void OpExecutor::endThreads(std::vector<std::thread> threads) {
   // From a Future's callback on one of our threads (a worker, a helping
-  // wait(), the p2p engine), another worker may be in a callback waiting for
-  // the Work this thread is completing: joining it would wait forever. The
-  // workers hold the object until they leave their loops (stopping_ is set),
-  // so they are let go; this thread cannot join itself either.
-  const bool fromCallback = settlingHere() || blockingHook().fn != nullptr;
+  // wait()), another worker may be in a callback waiting for the Work this
+  // thread is completing: joining it would wait forever. The workers hold
+  // the object until they leave their loops (stopping_ is set), so they are
+  // let go; this thread cannot join itself either.
+  const bool fromCallback = settlingHere();
   for (auto& t : threads) {
     if (fromCallback || t.get_id() == std::this_thread::get_id()) {
       t.detach();

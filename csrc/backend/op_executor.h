@@ -17,9 +17,12 @@
 //   never reaches Work::wait() (torch's Future::wait()), a worker the watcher
 //   lets run the front op when the queue has been stalled by such settling
 //   for kRescueAfter (common/rescue.h).
+// Point-to-point ops run on the transport's thread, apart from that order,
+// and their Works are settled here (p2pCompletion below): by the thread
+// waiting for one, else by a worker.
 // The workers ("rr-worker") and the watcher ("rr-watch") are a
-// CallbackThreads (common/callback_threads.h), as the p2p engine's are; the
-// executor is its Client: the workers' loop, when the queue is watched and
+// CallbackThreads (common/callback_threads.h); the executor is its Client:
+// the workers' loop, when the queue and the completions are watched and
 // stalled, and what a rescue does.
 //
 // The executor knows nothing of transports: its owner runs each op (RunOp)
@@ -38,6 +41,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -67,6 +71,7 @@ class OpExecutor : private CallbackThreads::Client {
   using Owner = c10::weak_intrusive_ptr<c10::intrusive_ptr_target>;
 
   explicit OpExecutor(RunOp run);
+  ~OpExecutor();
   OpExecutor(const OpExecutor&) = delete;
   OpExecutor& operator=(const OpExecutor&) = delete;
 
@@ -80,6 +85,29 @@ class OpExecutor : private CallbackThreads::Client {
   // executor is stopping.
   void submit(Entry e, bool asyncOp);
 
+  // ---- point-to-point ops ----
+  // They run on the transport's thread, in any order (matched by peer and
+  // tag); their Works are settled here: a p2p op's transport callback calls
+  // its completion with how to settle its Work (the write-back, then
+  // complete or fail: its Future's callbacks run). The settling runs on the
+  // thread waiting for that Work in Work::wait() (a helping wait: set on the
+  // Work here, it takes its completion as it arrives), else on a worker, apart
+  // from the collectives' order and any number at once. The workers for them
+  // grow as for the collectives' callbacks: at once when every worker is busy
+  // and one of them surely blocks (running an op, or waiting for a p2p Work),
+  // else when the watcher finds completions held by callbacks. Once the
+  // executor stops, or its owner is gone, a completion is settled on the
+  // calling thread, or on a thread of its own when its Future was taken (a
+  // callback may wait for a later one); the stop collects those threads.
+  // postP2P calls `post` with that completion; one that comes within the
+  // post (the transport finished the op on the posting thread: an inline
+  // run) settles the Work there, before it is returned, so no callback of
+  // the caller's can be on its Future yet.
+  using Settle = std::function<void()>;
+  using Completion = std::function<void(Settle)>;
+  void postP2P(const c10::intrusive_ptr<Work>& work,
+               const std::function<void(Completion)>& post);
+
   // The op being run has passed its final check: a stop need not abort the
   // group for it (called by RunOp on the op's thread, no lock).
   void markConfirmed() { runningConfirmed_.store(true, std::memory_order_release); }
@@ -90,6 +118,8 @@ class OpExecutor : private CallbackThreads::Client {
     std::deque<Entry> dropped;       // queued ops, in issue order, their Works open
     bool busy = false;               // an op is running and not confirmed
     std::vector<std::thread> threads;  // workers and the watcher, to be ended
+    // p2p completions no worker took: settled by settleDropped().
+    std::deque<std::pair<c10::intrusive_ptr<Work>, Settle>> completed;
   };
   // 1. No op starts any more; the queue is handed back.
   Stopping beginStop();
@@ -99,12 +129,18 @@ class OpExecutor : private CallbackThreads::Client {
   //    little, and that thread is returned, to be ended with the others.
   std::vector<std::thread> failDropped(std::deque<Entry>& dropped,
                                        const std::function<std::exception_ptr(const Entry&)>& error);
+  //    And settles the p2p completions no worker took (as above, a thread
+  //    for one whose Future was taken), returning those threads.
+  std::vector<std::thread> settleDropped(Stopping& s);
   // 3. Waits until no op runs (the owner aborted the one in flight), unless
   //    the calling thread is running it.
   void waitIdle();
+  // After the transport closed (its last p2p completions came): the threads
+  // settling completions that came after the stop.
+  std::vector<std::thread> takeLateThreads();
   // 4. Joins the threads; lets them go instead when called from a Future's
-  //    callback on one of our threads or the p2p engine's (joining could wait
-  //    for this thread), or for the calling thread itself.
+  //    callback on one of our threads (joining could wait for this thread),
+  //    or for the calling thread itself.
   static void endThreads(std::vector<std::thread> threads);
 
   // Whether the calling thread is inside an op's run (a stop there must not
@@ -112,6 +148,11 @@ class OpExecutor : private CallbackThreads::Client {
   // callback: a stop there must not join the workers).
   static bool runningOpsHere();
   static bool settlingHere();
+
+  // Fails (or completes) a Work whose Future may have callbacks that wait for
+  // a later Work: on a thread of its own, waited for a little; returns that
+  // thread, or none when it ran here.
+  static std::optional<std::thread> settleAside(Work& work, Settle settle);
 
  private:
   // Whether a thread may start the queue's front op now (with mu_): only once
@@ -152,11 +193,37 @@ class OpExecutor : private CallbackThreads::Client {
   // a whole look, with no Work settled meanwhile, is rescued: a worker may
   // run the queue's front op (rescue_; a new worker when every one is in
   // callbacks).
-  bool watchingLocked() const { return settlingTaken_ > 0 && !queue_.empty(); }
+  bool watchingLocked() const {
+    return (settlingTaken_ > 0 && !queue_.empty()) || completionsHeldLocked();
+  }
+  bool queueWatchedLocked() const { return settlingTaken_ > 0 && !queue_.empty(); }
   bool stalledLocked() const {
-    return watchingLocked() && !running_ && !mayRunLocked() && unmarked_.load() == 0;
+    return queueWatchedLocked() && !running_ && !mayRunLocked() && unmarked_.load() == 0;
   }
   bool rescuingLocked() const { return rescue_ && settled_ == rescueMark_ && stalledLocked(); }
+
+  Completion p2pCompletion(const c10::intrusive_ptr<Work>& work);
+  // p2p completions (with mu_): queues one, or, stopping, returns false.
+  bool completeLocked(c10::intrusive_ptr<Work> work, Settle& settle);
+  // A free worker for the completions no helping wait takes: an idle one, a
+  // new one when every worker is busy and one of them surely blocks, else the
+  // watcher's (with mu_).
+  void ensureCompleterLocked();
+  // The first completion no helping wait is for (false: none); takes it.
+  bool hasFreeCompletionLocked() const;
+  std::pair<c10::intrusive_ptr<Work>, Settle> takeFreeCompletionLocked();
+  // Settles one on this thread (onWorker: counted in callbacks since taken).
+  void runCompletion(std::pair<c10::intrusive_ptr<Work>, Settle>& c, bool onWorker);
+  // Work::wait()'s helping wait for a p2p Work: takes its completion when it
+  // comes and settles it here; returns at once when it was taken, or when
+  // stopping (wait() then blocks as before).
+  void settleWhenComplete(Work* work);
+  // The watcher's view of them: completions no thread takes (no worker idle),
+  // and none taken since its last look.
+  bool completionsHeldLocked() const { return idle_ == 0 && hasFreeCompletionLocked(); }
+  bool completionsStalledLocked() const {
+    return completionsHeldLocked() && completionsTaken_ == completionsMark_;
+  }
 
   // CallbackThreads::Client, all with mu_ held (callback_threads.h):
   // a worker running workerLoop(), holding the owner weakly;
@@ -231,6 +298,20 @@ class OpExecutor : private CallbackThreads::Client {
   // waitIdle() waits on it for !running_; a wait() in a callback for the
   // queue to be its to run.
   std::condition_variable idleCv_;
+  // p2p completions, guarded by mu_: those not yet taken, in arrival order;
+  // the workers idle in cv_, the one running an op, and those in a helping
+  // wait for a p2p Work from a callback; completions taken so far and at the
+  // watcher's last look (the rescue was for them); the threads settling them
+  // after the stop. Helping waits wait on completedCv_.
+  std::deque<std::pair<c10::intrusive_ptr<Work>, Settle>> completed_;
+  size_t idle_ = 0;
+  bool workerRunsOp_ = false;
+  size_t helpingWorkers_ = 0;
+  uint64_t completionsTaken_ = 0;
+  uint64_t completionsMark_ = 0;
+  bool rescueCompletion_ = false;
+  std::vector<std::thread> late_;
+  std::condition_variable completedCv_;
   // The workers and the watcher (guarded by mu_): taken by beginStop(); the
   // workers in callbacks are those settling a Work (finishRunning to settle).
   CallbackThreads threads_{mu_, *this, "rr-worker", "rr-watch"};

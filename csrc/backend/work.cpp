@@ -1,7 +1,6 @@
 #include "backend/work.h"
 
 #include "common/test_hooks.h"
-#include "common/wait_hook.h"
 
 #include <ATen/core/jit_type.h>
 #include <c10/util/Logging.h>
@@ -104,11 +103,6 @@ bool Work::wait(std::chrono::milliseconds timeout) {
   if (timeout == kNoTimeout && !done_ && helper_) {
     lock.unlock();
     helper_(this);
-    lock.lock();
-  }
-  if (!done_) {
-    lock.unlock();
-    beforeBlocking();  // on a p2p engine thread: another one takes over
     lock.lock();
   }
   if (timeout == kNoTimeout) {
@@ -235,9 +229,6 @@ void Work::fail(std::exception_ptr error) {
 // never be set, leaving wait() blocked. Log it as Python's add_done_callback
 // does; the callbacks after it in the Future's list do not run.
 void Work::settleFuture(const std::function<void()>& settle) {
-  // A callback may block in torch's Future::wait() (no hook there): on a p2p
-  // engine thread, make sure another thread polls meanwhile, as wait() does.
-  if (futureTaken_.load(std::memory_order_relaxed)) beforeBlocking(/*certain=*/false);
   const Work* outer = tSettling;
   tSettling = this;
   auto restore = c10::make_scope_exit([outer] { tSettling = outer; });

@@ -75,12 +75,19 @@ class Work : public c10d::Work {
   // dropped op on a thread of its own).
   bool futureTaken() const { return futureTaken_.load(); }
   void lookClosed() { looked_.store(2); }
-  bool counted = false;  // guarded by the backend's mu_
+  bool counted = false;  // guarded by the executor's mu_
+  // A point-to-point op's, guarded by the executor's mu_: the threads in a
+  // helping wait for its completion, and whether that was taken to be
+  // settled (OpExecutor::p2pCompletion).
+  size_t p2pWaiters = 0;
+  bool p2pTaken = false;
 
-  // What wait() (without a timeout) calls before it blocks: runs this op, and
-  // those queued before it, on the waiting thread when the worker is idle
-  // (Backend::runQueuedUntil), saving the two thread hand-offs of an
-  // async op waited for at once. Set once, before the work is returned.
+  // What wait() (without a timeout) calls before it blocks (a helping wait,
+  // op_executor.h): a collective's runs this op, and those queued before it,
+  // on the waiting thread when no other thread runs one; a point-to-point
+  // op's settles its Work here once the transport completes it. Either saves
+  // thread hand-offs of an op waited for at once. Set once, before the work
+  // is returned.
   void setHelper(std::function<void(Work*)> helper) { helper_ = std::move(helper); }
 
   // Called once, by the thread that ran the op; ends the profiler's event.

@@ -1,6 +1,6 @@
 // CallbackThreads: the threads on which one owner runs user callbacks (the op
-// executor's workers, the p2p engine's threads), and the watcher that starts
-// another when callbacks hold them all.
+// executor's workers), and the watcher that starts another when callbacks
+// hold them all.
 //
 // A Work's Future callbacks run on the thread that completes it, and one may
 // wait for work that only another of these threads does. So an owner starts

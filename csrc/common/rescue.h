@@ -1,6 +1,6 @@
 // How long a watcher lets Future callbacks hold every thread that could make
-// progress (the collective workers, the p2p engine's threads), with work
-// waiting, before it starts one more thread. torch's Future::wait() in a
+// progress (the executor's workers), with work waiting, before it starts one
+// more thread. torch's Future::wait() in a
 // callback never reaches the backend, so a blocked callback looks like a slow
 // one: the first kFastRescues threads come after kRescueAfter each, and each
 // later one after a stall twice as long as the one before, up to

@@ -5,7 +5,8 @@ and where a small all-reduce's time goes.
     python -m scripts.benchmarks.bench_latency --repo /tmp/old --shm 0   # another build, TCP
 
 Each op (all_reduce, the same with async_op=True and an immediate wait(),
-broadcast, gather, scatter, barrier) of 4 KiB of float32
+broadcast, gather, scatter, barrier, and with an even number of ranks a
+send/recv round trip between rank pairs 0-1, 2-3, ...) of 4 KiB of float32
 runs 200 times as warm-up, then 5 repeats of 1,000; the line printed is rank
 0's median repeat per op, in microseconds, as JSON. Run two builds alternately
 several times and compare medians: one run on a busy machine means little.
@@ -58,6 +59,17 @@ def rank_main(rank, args, path, queue):
         "scatter": lambda: dist.scatter(t, blocks if rank == 0 else None, src=0),
         "barrier": dist.barrier,
     }
+    if args.nproc % 2 == 0:
+        peer, back = rank ^ 1, torch.empty_like(t)
+
+        def round_trip():
+            if rank % 2 == 0:
+                dist.send(t, peer)
+                dist.recv(back, peer)
+            else:
+                dist.recv(back, peer)
+                dist.send(t, peer)
+        ops["send_recv_round_trip"] = round_trip
     # Every rank creates every one-rank group; each then uses its own.
     solo = [dist.new_group([r], backend="ringreduce") for r in range(args.nproc)][rank]
     ops["all_reduce_one_rank"] = lambda: dist.all_reduce(t, group=solo)

@@ -10,28 +10,26 @@
 //
 // This file: the engine's life (start, stop, fatal errors), posting and the
 // poll loop. The socket side (reads, matching, writes, deadlines) is in
-// p2p_wire.cpp, the engine's side of its threads and watcher in
-// p2p_threads.cpp (common/callback_threads.h runs them).
+// p2p_wire.cpp.
 #include "transport/tcp/p2p_engine.h"
 
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <c10/util/ScopeExit.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
-#include "common/wait_hook.h"
+#include "common/thread_name.h"
 #include "transport/tcp/socket.h"
 
 namespace ringreduce {
 namespace tcp {
 namespace {
 
-thread_local bool tInFatal = false;  // this thread runs onFatal_ (stop() must not wait for it)
+// The engine whose thread this is (stop() there must not join itself).
+thread_local const P2PEngine* tEngine = nullptr;
 
 }  // namespace
 
@@ -43,7 +41,11 @@ std::shared_ptr<P2PEngine> P2PEngine::start(
                                             std::move(addrs), std::move(onFatal),
                                             std::move(explain));
   std::lock_guard<std::mutex> lock(engine->mu_);
-  engine->threads_.spawnLocked();
+  engine->thread_ = std::thread([self = engine] {
+    nameThisThread("rr-p2p");
+    tEngine = self.get();
+    self->loop();
+  });
   return engine;
 }
 
@@ -66,9 +68,8 @@ P2PEngine::P2PEngine(Private, int rank, int size, std::vector<int> fds,
               " pipe2 failed: ", std::strerror(errno));
 }
 
-// Every thread owns the engine, and a thread leaves loop() only after stop()
-// took it out of threads_ (endAll): this runs once they are all gone (on the last of
-// them, or on the thread that dropped the last reference).
+// The thread owns the engine and leaves loop() only once stopping: this runs
+// once it is gone (on it, or on the thread that dropped the last reference).
 P2PEngine::~P2PEngine() {
   for (int& fd : wakePipe_) {
     if (fd >= 0) ::close(fd);
@@ -76,43 +77,21 @@ P2PEngine::~P2PEngine() {
 }
 
 void P2PEngine::stop() {
-  // From a callback on one of the threads, another may be in a callback
-  // waiting for the Work this one is completing: joining would wait forever.
-  // The threads own the engine and end once their callbacks return.
-  const bool fromCallback = blockingHook().arg == this;
-  std::vector<Completion> orphans;
+  std::thread thread;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_.empty() && !stopping_) sayFarewellLocked();
     stopping_ = true;
-    if (fromCallback) threads_.letGoLocked();
-    // The pending ops fail through ready_, run by the threads on their way
-    // out, one at a time, with another thread started for a callback that
-    // blocks (beforeBlocking), as while running: run here in a row, a callback
-    // that waits for a later one would wait forever.
-    std::vector<Completion> done;
-    failAll("the process group was shut down", done);
-    for (auto& d : done) ready_.push_back(std::move(d));
-    // No thread left, or none free and none could start: run them here.
-    if (threads_.liveLocked() == 0 ||
-        (!ready_.empty() && !ensureRunnerLocked("the failed ops"))) {
-      orphans.assign(std::make_move_iterator(ready_.begin()),
-                     std::make_move_iterator(ready_.end()));
-      ready_.clear();
-    }
+    // The pending ops fail on the thread, on its way out (loop()).
+    thread.swap(thread_);
   }
-  turnCv_.notify_all();
   wake();
-  if (fromCallback && !tInFatal) {
-    // The threads are let go below, and the owner goes once this returns:
-    // an onFatal_ still running on another thread (the mesh's abort, bounded
-    // by its store budget and the confirm lock) finishes first. Bounded
-    // anyway: never a hang.
-    std::unique_lock<std::mutex> lock(mu_);
-    fatalCv_.wait_for(lock, std::chrono::seconds(10), [this] { return fatalInFlight_ == 0; });
+  if (!thread.joinable()) return;  // stopped before
+  if (tEngine == this) {
+    thread.detach();  // called from a completion or onFatal_: it ends after it
+  } else {
+    thread.join();
   }
-  for (auto& [cb, args] : orphans) cb(args.first, args.second);
-  threads_.endAll(fromCallback);
 }
 
 void P2PEngine::sayFarewellLocked() {
@@ -138,6 +117,7 @@ void P2PEngine::wake() {
 void P2PEngine::postSend(const OpInfo& op, int peer, uint64_t tag, const void* data,
                          size_t bytes, P2PCallback done) {
   std::string failed;
+  bool sent = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     failed = failed_;
@@ -145,11 +125,22 @@ void P2PEngine::postSend(const OpInfo& op, int peer, uint64_t tag, const void* d
       WireHeader h{kWireMagic, static_cast<uint8_t>(OpKind::kSend), op.dtype, kNoReduceOp, 0,
                    kNoRoot, 0, sendSeq_[peer]++, kUnchecked, tag, bytes};
       sends_[peer].push_back({op, h, static_cast<const char*>(data), 0, std::move(done)});
-      if (threads_.allInCallbacksLocked()) threads_.armWatcherLocked();
+      // Nothing ahead of it to that peer: the posting thread writes it now
+      // (an inline run: a small message never waits for the thread), the
+      // thread writes the rest, if any.
+      if (sends_[peer].size() == 1 && !stopping_ && !left_[peer] && sendNowLocked(peer)) {
+        done = std::move(sends_[peer].front().cb);
+        sends_[peer].pop_front();
+        sent = true;
+      }
     }
   }
   if (!failed.empty()) {
     done(peer, transportError(unusable(op, failed)));
+    return;
+  }
+  if (sent) {
+    done(peer, nullptr);
     return;
   }
   wake();
@@ -163,8 +154,6 @@ void P2PEngine::postRecv(const OpInfo& op, int peer, uint64_t tag, void* data, s
     failed = failed_;
     if (failed.empty()) {
       recvs_.push_back({op, peer, tag, static_cast<char*>(data), bytes, std::move(done), false});
-      // Posted from a callback, every thread in one.
-      if (threads_.allInCallbacksLocked()) threads_.armWatcherLocked();
     }
   }
   if (!failed.empty()) {
@@ -179,13 +168,12 @@ void P2PEngine::abort(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     failAll(reason, done);
-    // The threads run them (see stop()); after stop() none may be left.
-    if (threads_.liveLocked() > 0 && (done.empty() || ensureRunnerLocked("the failed ops"))) {
+    // The thread runs them, unless it is gone (after stop()).
+    if (thread_.joinable()) {
       for (auto& d : done) ready_.push_back(std::move(d));
       done.clear();
     }
   }
-  turnCv_.notify_all();
   wake();
   for (auto& [cb, args] : done) cb(args.first, args.second);
 }
@@ -223,19 +211,11 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
     bool stopping;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stopping = stopping_;  // a callback may have stopped the engine: the owner may be gone
-      enterCallbacksLocked();  // onFatal_ fails the transport's ops: callbacks run here
-      if (!stopping) ++fatalInFlight_;
+      stopping = stopping_;  // the owner may be gone
     }
-    if (onFatal_ && !stopping) {
-      tInFatal = true;
-      auto reset = c10::make_scope_exit([] { tInFatal = false; });
-      onFatal_(fatalReason);
-    }
+    if (onFatal_ && !stopping) onFatal_(fatalReason);
     fatalReason.clear();
     std::lock_guard<std::mutex> lock(mu_);
-    if (!stopping && --fatalInFlight_ == 0) fatalCv_.notify_all();
-    threads_.leaveCallbacksLocked();
     for (auto& c : held) ready_.push_back(std::move(c));
     held.clear();
   }
@@ -246,11 +226,8 @@ void P2PEngine::drain(std::string& fatalReason, std::vector<Completion>& held) {
       if (ready_.empty()) break;
       c = std::move(ready_.front());
       ready_.pop_front();
-      enterCallbacksLocked();
     }
     c.first(c.second.first, c.second.second);
-    std::lock_guard<std::mutex> lock(mu_);
-    threads_.leaveCallbacksLocked();
   }
 }
 
@@ -275,34 +252,16 @@ void P2PEngine::loop() {
     drain(fatalReason, held);
     int timeoutMs = -1;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      // One thread polls at a time; another started for a callback that
-      // blocked waits here for its turn, or runs what is ready meanwhile.
-      ++waiting_;
-      turnCv_.wait(lock, [this] { return !polling_ || stopping_ || !ready_.empty(); });
-      --waiting_;
+      std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) {
         failAll("the process group was shut down", done);
         collect();
-        // Leaves only with nothing ready, counted out in the same hold of the
-        // lock: a callback that blocks must not count on a thread that is
-        // already on its way out (beforeBlocking).
-        if (ready_.empty() && fatalReason.empty()) {
-          threads_.threadLeftLocked();
-          if (threads_.liveLocked() == 0) {
-            threads_.wakeWatcher();  // the watcher ends with the last thread
-          } else if (threads_.allInCallbacksLocked()) {
-            busySince_ = Clock::now();  // the rest are all in callbacks
-          }
-          return;
-        }
+        if (ready_.empty() && fatalReason.empty()) return;  // leaves with nothing to run
         continue;
       }
-      if (!ready_.empty()) continue;
       timeoutMs = pollSetLocked(pfds, peers, done);
       collect();
       if (!ready_.empty() || !fatalReason.empty()) continue;  // run those first
-      polling_ = true;
     }
     pfds.push_back({wakePipe_[0], POLLIN, 0});
     poll(pfds.data(), pfds.size(), timeoutMs);
@@ -311,24 +270,14 @@ void P2PEngine::loop() {
       while (::read(wakePipe_[0], buf, sizeof(buf)) > 0) {
       }
     }
-    bool handOff;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      polling_ = false;
-      for (size_t i = 0; i + 1 < pfds.size() && failed_.empty() && !stopping_; ++i) {
-        if (pfds[i].revents == 0) continue;
-        if (!sends_[peers[i]].empty()) writeTo(peers[i], done);
-        if (wantsRead(peers[i])) readFrom(peers[i], done);
-      }
-      if (failed_.empty() && !stopping_) expire(done);
-      collect();
-      // Another thread polls while this one runs completions (a callback may
-      // block); with none to run, this one polls again without a wake-up.
-      handOff = waiting_ > 0 && (!ready_.empty() || !fatalReason.empty());
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i + 1 < pfds.size() && failed_.empty() && !stopping_; ++i) {
+      if (pfds[i].revents == 0) continue;
+      if (!sends_[peers[i]].empty()) writeTo(peers[i], done);
+      if (wantsRead(peers[i])) readFrom(peers[i], done);
     }
-    // Every waiter: one that finds completions ready runs them and does not
-    // poll, and the next must not be left asleep.
-    if (handOff) turnCv_.notify_all();
+    if (failed_.empty() && !stopping_) expire(done);
+    collect();
   }
 }
 

@@ -1,27 +1,21 @@
-// Point-to-point progress engine: one thread drives send/recv/recvAnysource on
-// the p2p connections, independent of the collective order (as gloo does), so
-// isend/irecv pairs never deadlock on socket buffers.
+// Point-to-point progress engine: one thread ("rr-p2p") drives
+// send/recv/recvAnysource on the p2p connections, independent of the
+// collective order (as gloo does), so isend/irecv pairs never deadlock on
+// socket buffers.
 //
-// The completions (and so the Works' Future callbacks) run on an engine
-// thread. A Work.wait() in such a callback, with every engine thread in
-// callbacks, starts one more thread (common/wait_hook.h), which polls while
-// the first is blocked: a callback may wait for another p2p op. A wait that
-// has no hook (torch's Future::wait()) is caught by a watcher thread: when
-// every engine thread has been in callbacks for a while with ops pending, it
-// starts one more (common/rescue.h: slow callbacks look the same, and the
-// stall it waits for grows past the first few). The threads ("rr-p2p") and
-// the watcher ("rr-p2p-watch") are a CallbackThreads
-// (common/callback_threads.h), as the op executor's are; the engine is its
-// Client. Each thread and the watcher owns the engine (a shared_ptr): a
-// callback may destroy the process group, stopping the engine from its own
-// thread, and drop the engine's last other owner.
+// The thread runs each op's completion callback once it is done, outside the
+// engine's lock. Those callbacks must not block: the backend's hand the Work
+// to its op executor (backend/op_executor.h), which settles it and runs its
+// Future's callbacks on another thread, so a callback that waits for another
+// p2p op never holds up the thread that completes it. The thread owns the
+// engine (a shared_ptr): the last owner may go while it runs.
 #pragma once
 
 #include <poll.h>
+#include <sys/types.h>
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <list>
@@ -31,15 +25,13 @@
 #include <thread>
 #include <vector>
 
-#include "common/callback_threads.h"
 #include "transport/transport.h"
 #include "transport/wire.h"
 
 namespace ringreduce {
 namespace tcp {
 
-class P2PEngine : public std::enable_shared_from_this<P2PEngine>,
-                  private CallbackThreads::Client {
+class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   struct Private {};
 
  public:
@@ -64,10 +56,9 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine>,
                 P2PCallback done);
   // Fails everything pending and later with `reason`.
   void abort(const std::string& reason);
-  // Ends the threads: joins them, or, called from a callback on one of them
-  // (destroy_process_group), lets them all go; each ends once its callbacks
-  // return. The pending ops fail on the threads (stop() and abort() queue
-  // their failures in ready_), so a callback may wait for another's Work.
+  // Fails the pending ops and ends the thread: joins it, or, called on it
+  // (a completion callback, or onFatal, that drops the owner's last
+  // reference), lets it go; it ends once it has run the failures.
   void stop();
 
  private:
@@ -118,38 +109,9 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine>,
   // with no message half sent. mu_ held.
   void sayFarewellLocked();
   // Runs onFatal_ with `fatalReason` (unless stop() came meanwhile) and then
-  // queues `held` (that error's failures), then the ready completions one at
-  // a time, oldest first (while one blocks in a callback, another thread
-  // takes the next); no lock held.
+  // `held` (that error's failures), then the ready completions, oldest
+  // first; no lock held.
   void drain(std::string& fatalReason, std::vector<Completion>& held);
-  // A wait on an engine thread is about to block (common/wait_hook.h): another
-  // thread takes over, started if every one is running completions.
-  void beforeBlocking(bool certain);
-  // A thread starts running completions (or onFatal_); mu_ held. Arms the
-  // watcher when that leaves no thread free while ops are pending.
-  void enterCallbacksLocked();
-  // Ops are posted, queued or in flight; mu_ held.
-  bool pendingLocked() const;
-  // CallbackThreads::Client, all with mu_ held (callback_threads.h):
-  // a thread running loop() with the wait hook set, owning the engine;
-  std::function<void()> threadBodyLocked() override;
-  // the watcher owns the engine too;
-  std::shared_ptr<void> watcherKeepLocked() override;
-  // no watcher: a warning, and no second try;
-  bool retryWatcherLocked(const std::exception& err) override;
-  // it ends with the last thread, once stopping: the pending ops' failures
-  // wait in ready_ for the threads, whose callbacks may block as before;
-  bool watcherDoneLocked() const override { return stopping_ && threads_.liveLocked() == 0; }
-  // one look per kRescueAfter;
-  std::optional<std::chrono::milliseconds> watchPeriodLocked() override;
-  // idle once a thread is free or no op is pending; a rescue once every
-  // thread has been in callbacks (busySince_) for rescueStall(rescues_);
-  CallbackThreads::Look lookLocked(std::chrono::milliseconds slept) override;
-  // one more thread (counted in rescues_).
-  void rescueLocked(std::unique_lock<std::mutex>& lock) override;
-  // Wakes a thread for what is ready, or starts one if every thread is in
-  // callbacks; false if none could start. mu_ held.
-  bool ensureRunnerLocked(const char* why);
   bool wantsRead(int peer) const;
   // Fails what can no longer complete because peers left the group cleanly:
   // receives naming one, receives from any source once every peer left,
@@ -163,6 +125,13 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine>,
   static std::string disagreement(const Recv& r, const WireHeader& h);
   void readFrom(int peer, std::vector<Completion>& done);
   void writeTo(int peer, std::vector<Completion>& done);
+  // One sendmsg of the rest of `s` (header, then payload), non-blocking.
+  ssize_t sendMore(int peer, const Send& s);
+  // postSend()'s inline run: the message just posted is the only one to
+  // `peer`; writes what the socket takes now, on the posting thread. True
+  // when all of it went (the caller completes it); errors are left to the
+  // thread, which meets them again. mu_ held.
+  bool sendNowLocked(int peer);
   void failAll(const std::string& reason, std::vector<Completion>& done);
   void fatal(const std::string& reason, std::vector<Completion>& done);
   void expire(std::vector<Completion>& done);
@@ -174,11 +143,11 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine>,
   const std::vector<std::string> addrs_;
   int wakePipe_[2] = {-1, -1};
 
-  // Locking: mu_ guards everything from sends_ to threads_. An engine
+  // Locking: mu_ guards everything from sends_ to thread_. The engine's
   // thread holds it while it reads and writes sockets (the helpers above that
   // take `done` run with it held) and drops it to poll and to run completions;
   // the callers' post/abort/stop take it briefly. Completions and onFatal_ run
-  // outside it. The wake pipe is closed by the destructor, after every thread.
+  // outside it. The wake pipe is closed by the destructor, after the thread.
   std::mutex mu_;
   std::vector<std::deque<Send>> sends_;  // per peer, in post order
   std::list<Recv> recvs_;                // in post order
@@ -194,20 +163,8 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine>,
   std::function<std::string(const std::string&)> explain_;
   bool stopping_ = false;
   std::deque<Completion> ready_;      // collected, not yet run (drain())
-  // onFatal_ calls in progress: it works on the engine's owner (the mesh),
-  // which stop() from a callback must not let go of meanwhile.
-  size_t fatalInFlight_ = 0;
-  std::condition_variable fatalCv_;
-  bool polling_ = false;              // a thread polls (or reads and writes)
-  size_t waiting_ = 0;                // threads waiting for their turn to poll
-  std::condition_variable turnCv_;
-  // The watcher's stall: since when every thread is in callbacks, and the
-  // threads it started (or tried to).
-  std::chrono::steady_clock::time_point busySince_;
-  size_t rescues_ = 0;
-  // The threads running loop() and the watcher: stop() lets them go when it
-  // runs in a callback on one of them (letGoLocked), else joins them.
-  CallbackThreads threads_{mu_, *this, "rr-p2p", "rr-p2p-watch"};
+  // The thread running loop(); stop() joins it or lets it go.
+  std::thread thread_;
 };
 
 }  // namespace tcp

@@ -202,6 +202,33 @@ void P2PEngine::readFrom(int peer, std::vector<Completion>& done) {
   }
 }
 
+ssize_t P2PEngine::sendMore(int peer, const Send& s) {
+  const size_t total = sizeof(WireHeader) + s.header.bytes;
+  if (s.done == total) return 0;
+  iovec iov[2];
+  int n = 0;
+  if (s.done < sizeof(WireHeader)) {
+    iov[n++] = {const_cast<char*>(reinterpret_cast<const char*>(&s.header)) + s.done,
+                sizeof(WireHeader) - s.done};
+    iov[n++] = {const_cast<char*>(s.data), s.header.bytes};
+  } else {
+    iov[n++] = {const_cast<char*>(s.data) + (s.done - sizeof(WireHeader)), total - s.done};
+  }
+  msghdr msg{};
+  msg.msg_iov = iov;
+  msg.msg_iovlen = n;
+  return sendmsg(fds_[peer], &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+bool P2PEngine::sendNowLocked(int peer) {
+  Send& s = sends_[peer].front();
+  if (testHooks().tcpFailSendTag.load(std::memory_order_relaxed) >= 0) return false;
+  const ssize_t r = sendMore(peer, s);
+  if (r <= 0) return false;  // the socket is full, or an error the thread reports
+  s.done += static_cast<size_t>(r);
+  return s.done == sizeof(WireHeader) + s.header.bytes;
+}
+
 void P2PEngine::writeTo(int peer, std::vector<Completion>& done) {
   auto& queue = sends_[peer];
   while (!queue.empty()) {
@@ -213,19 +240,8 @@ void P2PEngine::writeTo(int peer, std::vector<Completion>& done) {
             done);
       return;
     }
-    size_t total = sizeof(WireHeader) + s.header.bytes;
-    iovec iov[2];
-    int n = 0;
-    if (s.done < sizeof(WireHeader)) {
-      iov[n++] = {reinterpret_cast<char*>(&s.header) + s.done, sizeof(WireHeader) - s.done};
-      iov[n++] = {const_cast<char*>(s.data), s.header.bytes};
-    } else {
-      iov[n++] = {const_cast<char*>(s.data) + (s.done - sizeof(WireHeader)), total - s.done};
-    }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = n;
-    ssize_t r = total == s.done ? 0 : sendmsg(fds_[peer], &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const size_t total = sizeof(WireHeader) + s.header.bytes;
+    const ssize_t r = sendMore(peer, s);
     if (r < 0) {
       if (retryable()) return;
       fatal(s.op.ctx.message("send to rank " + std::to_string(peer) + " (" + addrs_[peer] +
