@@ -595,3 +595,50 @@ def test_a_callback_waits_for_an_op_queued_before_it(worlds, size, how):
             assert waited is True, rank
             torch.testing.assert_close(a, torch.full((4,), total))
             torch.testing.assert_close(b, torch.full((4,), 10 * total))
+
+
+def _p2p_callback_waits_for_a_later_collective(ctx):
+    """Remote: on a new group (one worker), rank 0's receive has a callback
+    that waits in torch's Future.wait() for an all_reduce the main thread
+    issues only once that callback runs. The callback holds the only worker,
+    and the all_reduce may start at once (a p2p callback holds no Work of the
+    queue): the watcher must start a worker for it."""
+    import queue
+    import threading
+
+    group = dist.new_group(backend="ringreduce")
+    dist.barrier(group=group)
+    x = torch.full((4,), float(ctx.rank + 1))
+    if ctx.rank == 1:
+        dist.send(torch.full((4,), 5.0), dst=0, group=group)
+        dist.all_reduce(x, group=group)
+        out = x
+    else:
+        got = torch.zeros(4)
+        running, box = threading.Event(), queue.Queue()
+
+        def callback(f):
+            running.set()
+            return box.get(timeout=30).get_future().wait()[0].clone()
+
+        chained = dist.irecv(got, src=1, group=group).get_future().then(callback)
+        assert running.wait(30), "the receive's callback did not run"
+        box.put(dist.all_reduce(x, group=group, async_op=True))
+        started = time.monotonic()
+        out = [chained.wait(), got, time.monotonic() - started]
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+    return out
+
+
+def test_a_p2p_callback_waits_for_a_collective_issued_after_it(worlds):
+    """A p2p callback on the only worker, blocked in Future.wait() for a
+    collective issued after it, used to leave that collective queued with no
+    thread to run it (a hang): the watcher now counts a runnable op with every
+    worker in callbacks as held and starts a worker."""
+    (reduced, got, seconds), x1 = worlds.run(2, _p2p_callback_waits_for_a_later_collective,
+                                             timeout=60)
+    assert torch.equal(got, torch.full((4,), 5.0))
+    assert torch.equal(reduced, torch.full((4,), 3.0))
+    assert torch.equal(x1, torch.full((4,), 3.0))
+    assert seconds < 10, seconds

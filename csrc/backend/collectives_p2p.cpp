@@ -130,7 +130,6 @@ c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, i
   OpInfo op = makeP2POp("send", t,
                         " to rank " + std::to_string(dstRank) + " tag " + std::to_string(tag));
   auto work = c10::make_intrusive<Work>(op.ctx, c10d::OpType::SEND, tensors);
-  track(work);
   // CUDA: the host waits for the copy to the host; the message leaves now.
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
   at::Tensor h = stage.in(t);
@@ -139,6 +138,7 @@ c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, i
   // The transport's thread hands the Work to the executor to settle (or the
   // message went at once, and the Work is settled here).
   executor_.postP2P(work, [&](const OpExecutor::Completion& completion) {
+    track(work);
     commFor(op).postSend(dstRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
                          [completion, work, s](int, std::exception_ptr err) {
                            completion([work, err] {
@@ -178,11 +178,11 @@ c10::intrusive_ptr<c10d::Work> Backend::postRecv(std::vector<at::Tensor>& tensor
   DeviceStage stage = DeviceStage::begin(op.ctx, {t});
   at::Tensor h = stage.out(t);  // CUDA: copied back on the internal stream
   auto work = c10::make_intrusive<Work>(op.ctx, type, tensors, std::move(stage));
-  track(work);
   at::Tensor s = staged(h);
   // The transport's thread hands the Work to the executor to settle (the
   // write-back included: CUDA copies are queued by the thread that settles).
   executor_.postP2P(work, [&](const OpExecutor::Completion& completion) {
+    track(work);
     commFor(op).postRecv(srcRank, static_cast<uint64_t>(tag), s.data_ptr(), nbytes(s),
                          [completion, work, s, h](int source, std::exception_ptr err) {
                            completion([work, s, h, source, err] {

@@ -71,6 +71,7 @@ std::function<void()> OpExecutor::threadBodyLocked() {
   // Each worker keeps the owner's object (not the owner: it still shuts down
   // with its last strong reference) until it leaves its loop, so a stop may
   // detach it (from a callback, where joining could wait for this thread).
+  ++starting_;  // counted out in its loop's first hold of mu_
   return [this, weak = owner()] { workerLoop(weak); };
 }
 
@@ -100,7 +101,9 @@ std::optional<std::chrono::milliseconds> OpExecutor::watchPeriodLocked() {
 }
 
 CallbackThreads::Look OpExecutor::lookLocked(std::chrono::milliseconds slept) {
-  const bool queue = settled_ == watchMark_ && stalledLocked();
+  const bool progress = settled_ != watchMark_ || completionsTaken_ != completionsMark_;
+  const bool queue =
+      (settled_ == watchMark_ && stalledLocked()) || (!progress && queueUnservedLocked());
   const bool completions = completionsStalledLocked();
   if (!queue && !completions) return CallbackThreads::Look::kAgain;
   // The workers filled up while it slept: wait the longer stall.
@@ -179,7 +182,7 @@ void OpExecutor::submit(Entry e, bool asyncOp) {
       if (e.nested) ++nestedQueued_;
       queue_.push_back(std::move(e));
       ensureWorkerLocked();
-      if (settlingTaken_ > 0) threads_.armWatcherLocked();
+      if (settlingTaken_ > 0 || queueUnservedLocked()) threads_.armWatcherLocked();
       cv_.notify_one();
       return;
     }
@@ -323,11 +326,16 @@ void OpExecutor::runQueuedUntil(const Work* work) {
 }
 
 void OpExecutor::workerLoop(const Owner& weak) {
+  bool started = true;
   while (true) {
     Entry e;
     std::pair<c10::intrusive_ptr<Work>, Settle> completion;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      if (started) {
+        --starting_;
+        started = false;
+      }
       ++idle_;
       cv_.wait(lock, [this] {
         return stopping_ || hasFreeCompletionLocked() ||
@@ -337,9 +345,10 @@ void OpExecutor::workerLoop(const Owner& weak) {
       if (!stopping_ && hasFreeCompletionLocked()) {
         completion = takeFreeCompletionLocked();
         threads_.enterCallbacksLocked();
-        // More came meanwhile (this worker was woken for one): a callback of
-        // this one may wait for them.
+        // More came meanwhile (this worker was woken for one), or an op is
+        // queued: a callback of this one may wait for them.
         ensureCompleterLocked();
+        if (queueUnservedLocked()) threads_.armWatcherLocked();
       } else if (queue_.empty()) {
         threads_.threadLeftLocked();
         return;
@@ -364,6 +373,13 @@ void OpExecutor::workerLoop(const Owner& weak) {
 
 void OpExecutor::postP2P(const c10::intrusive_ptr<Work>& work,
                          const std::function<void(Completion)>& post) {
+  // Before any other thread can see the Work (`post` makes it visible).
+  work->setHelper([gate = gate_](Work* w) {
+    if (tRunningOps) return;  // inside an op's run: no waiting for another here
+    if (c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong()) {
+      gate->executor->settleWhenComplete(w);
+    }
+  });
   const Work* outer = tPosting;
   tPosting = work.get();
   auto restore = c10::make_scope_exit([outer] { tPosting = outer; });
@@ -371,14 +387,21 @@ void OpExecutor::postP2P(const c10::intrusive_ptr<Work>& work,
 }
 
 OpExecutor::Completion OpExecutor::p2pCompletion(const c10::intrusive_ptr<Work>& work) {
-  work->setHelper([gate = gate_](Work* w) {
-    if (tRunningOps) return;  // inside an op's run: no waiting for another here
-    if (c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong()) {
-      gate->executor->settleWhenComplete(w);
-    }
-  });
   return [gate = gate_, work](Settle settle) {
-    if (tPosting == work.get()) {  // done within its post: not returned yet
+    // Counted as settling: should this thread (the transport's) drop the
+    // owner's last reference below, the shutdown there lets the threads go
+    // instead of joining one that waits for a completion queued behind this.
+    ++tCompletingDepth;
+    auto restore = c10::make_scope_exit([] { --tCompletingDepth; });
+    if (tPosting == work.get()) {
+      // Done within its post, on the posting thread: settled here, before the
+      // Work is returned. A helping wait already on it (another thread that
+      // found it tracked) returns and waits for it to be done.
+      if (c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong()) {
+        std::lock_guard<std::mutex> lock(gate->executor->mu_);
+        work->p2pTaken = true;
+        if (work->p2pWaiters > 0) gate->executor->completedCv_.notify_all();
+      }
       settle();
       return;
     }
@@ -392,9 +415,10 @@ OpExecutor::Completion OpExecutor::p2pCompletion(const c10::intrusive_ptr<Work>&
         if (ex.completeLocked(work, settle)) return;
       }
     }
-    // Stopped, or the owner is gone: settled here, or aside when its
-    // callbacks may wait (handed to the stop while the owner is there).
-    std::optional<std::thread> t = settleAside(*work, std::move(settle));
+    // Stopped, or the owner is gone: settled on a thread of its own (a
+    // callback taken meanwhile must not run on the transport's thread), which
+    // the stop joins while the owner is there.
+    std::optional<std::thread> t = settleAside(*work, std::move(settle), /*always=*/true);
     if (!t) return;
     if (c10::intrusive_ptr<c10::intrusive_ptr_target> self = gate->strong()) {
       std::lock_guard<std::mutex> lock(gate->executor->mu_);
@@ -419,15 +443,16 @@ bool OpExecutor::completeLocked(c10::intrusive_ptr<Work> work, Settle& settle) {
 
 void OpExecutor::ensureCompleterLocked() {
   if (stopping_ || !hasFreeCompletionLocked()) return;
-  if (idle_ > 0) {
+  if (idle_ > 0 || starting_ > 0) {  // a starting worker looks before it waits
     cv_.notify_one();
     return;
   }
   // Every worker is busy. One running an op waits for the peers, which may
   // wait for this completion's callbacks (a send they post); one in a helping
-  // wait waits for another p2p op: another worker now. Callbacks that are
-  // only slow return: the watcher's stall tells them from blocked ones.
-  if (workerRunsOp_ || helpingWorkers_ > 0) {
+  // wait waits for another p2p op. When every worker is one of those, another
+  // worker now (one per such worker at most). Callbacks that are only slow
+  // return: the watcher's stall tells them from blocked ones.
+  if (threads_.liveLocked() <= (workerRunsOp_ ? 1u : 0u) + helpingWorkers_) {
     try {
       threads_.spawnLocked();
       return;
@@ -504,25 +529,27 @@ void OpExecutor::settleWhenComplete(Work* work) {
   if (mine.first) runCompletion(mine, false);
 }
 
-std::optional<std::thread> OpExecutor::settleAside(Work& work, Settle settle) {
-  if (!work.futureTaken()) {
+std::optional<std::thread> OpExecutor::settleAside(Work& work, Settle settle, bool always) {
+  const bool taken = work.futureTaken();
+  if (!taken && !always) {
     settle();
     return std::nullopt;
   }
+  auto fn = std::make_shared<Settle>(std::move(settle));  // kept here should the thread fail
   auto done = std::make_shared<std::promise<void>>();
   std::future<void> settled = done->get_future();
   try {
-    std::thread t([settle = std::move(settle), done]() mutable {
+    std::thread t([fn, done] {
       nameThisThread("rr-worker");
       ++tCompletingDepth;
-      settle();
-      settle = nullptr;
+      (*fn)();
+      *fn = nullptr;  // its tensors go on this thread
       done->set_value();
     });
-    settled.wait_for(kRescueAfter);
+    if (taken) settled.wait_for(kRescueAfter);
     return t;
   } catch (const std::system_error&) {
-    settle();  // no thread to be had: here, as before
+    (*fn)();  // no thread to be had: here, as before
     return std::nullopt;
   }
 }

@@ -18,8 +18,9 @@
 //   lets run the front op when the queue has been stalled by such settling
 //   for kRescueAfter (common/rescue.h).
 // Point-to-point ops run on the transport's thread, apart from that order,
-// and their Works are settled here (p2pCompletion below): by the thread
-// waiting for one, else by a worker.
+// and their Works are settled here (postP2P below): on the posting thread
+// when the op finished within its post, else by the thread waiting for it,
+// else by a worker.
 // The workers ("rr-worker") and the watcher ("rr-watch") are a
 // CallbackThreads (common/callback_threads.h); the executor is its Client:
 // the workers' loop, when the queue and the completions are watched and
@@ -99,10 +100,11 @@ class OpExecutor : private CallbackThreads::Client {
   // executor stops, or its owner is gone, a completion is settled on the
   // calling thread, or on a thread of its own when its Future was taken (a
   // callback may wait for a later one); the stop collects those threads.
-  // postP2P calls `post` with that completion; one that comes within the
-  // post (the transport finished the op on the posting thread: an inline
-  // run) settles the Work there, before it is returned, so no callback of
-  // the caller's can be on its Future yet.
+  // postP2P sets the Work's helping wait, then calls `post` (which makes the
+  // Work visible to other threads, then posts the op) with that completion;
+  // one that comes within the post (the transport finished the op on the
+  // posting thread: an inline run) settles the Work there, before it is
+  // returned, so no callback of the caller's can be on its Future yet.
   using Settle = std::function<void()>;
   using Completion = std::function<void(Settle)>;
   void postP2P(const c10::intrusive_ptr<Work>& work,
@@ -149,10 +151,11 @@ class OpExecutor : private CallbackThreads::Client {
   static bool runningOpsHere();
   static bool settlingHere();
 
-  // Fails (or completes) a Work whose Future may have callbacks that wait for
-  // a later Work: on a thread of its own, waited for a little; returns that
-  // thread, or none when it ran here.
-  static std::optional<std::thread> settleAside(Work& work, Settle settle);
+  // Settles a Work (fails or completes it) whose Future may have callbacks
+  // that wait for a later Work: on a thread of its own when its Future was
+  // taken (waited for a little) or `always`, else here; returns that thread,
+  // or none when it ran here (also when no thread could be had).
+  static std::optional<std::thread> settleAside(Work& work, Settle settle, bool always = false);
 
  private:
   // Whether a thread may start the queue's front op now (with mu_): only once
@@ -193,8 +196,15 @@ class OpExecutor : private CallbackThreads::Client {
   // a whole look, with no Work settled meanwhile, is rescued: a worker may
   // run the queue's front op (rescue_; a new worker when every one is in
   // callbacks).
+  // And the queue's front op may start, but every worker is in callbacks
+  // (p2p callbacks hold no settling_; one may wait for that op): unserved.
+  bool queueUnservedLocked() const {
+    return !queue_.empty() && !running_ && mayRunLocked() && idle_ == 0 && starting_ == 0 &&
+           threads_.allInCallbacksLocked();
+  }
   bool watchingLocked() const {
-    return (settlingTaken_ > 0 && !queue_.empty()) || completionsHeldLocked();
+    return (settlingTaken_ > 0 && !queue_.empty()) || completionsHeldLocked() ||
+           queueUnservedLocked();
   }
   bool queueWatchedLocked() const { return settlingTaken_ > 0 && !queue_.empty(); }
   bool stalledLocked() const {
@@ -209,7 +219,8 @@ class OpExecutor : private CallbackThreads::Client {
   // new one when every worker is busy and one of them surely blocks, else the
   // watcher's (with mu_).
   void ensureCompleterLocked();
-  // The first completion no helping wait is for (false: none); takes it.
+  // Whether a completion no helping wait is for is queued; the first such,
+  // taken to be settled.
   bool hasFreeCompletionLocked() const;
   std::pair<c10::intrusive_ptr<Work>, Settle> takeFreeCompletionLocked();
   // Settles one on this thread (onWorker: counted in callbacks since taken).
@@ -218,9 +229,11 @@ class OpExecutor : private CallbackThreads::Client {
   // comes and settles it here; returns at once when it was taken, or when
   // stopping (wait() then blocks as before).
   void settleWhenComplete(Work* work);
-  // The watcher's view of them: completions no thread takes (no worker idle),
-  // and none taken since its last look.
-  bool completionsHeldLocked() const { return idle_ == 0 && hasFreeCompletionLocked(); }
+  // The watcher's view of them: completions no thread takes (no worker idle
+  // or starting), and none taken since its last look.
+  bool completionsHeldLocked() const {
+    return idle_ == 0 && starting_ == 0 && hasFreeCompletionLocked();
+  }
   bool completionsStalledLocked() const {
     return completionsHeldLocked() && completionsTaken_ == completionsMark_;
   }
@@ -237,13 +250,16 @@ class OpExecutor : private CallbackThreads::Client {
   bool watcherDoneLocked() const override { return stopping_; }
   // while watching: kRescueAfter, or, when the rescue needs a new worker
   // past the first few, rescueStall(workers) (common/rescue.h: slow
-  // callbacks settle a Work within it); the look's mark is settled_ now;
+  // callbacks settle a Work within it); the look's marks are settled_ and
+  // completionsTaken_ now;
   std::optional<std::chrono::milliseconds> watchPeriodLocked() override;
-  // a rescue when the queue is stalled, no Work settled since the mark and,
-  // if a new worker is needed, the look was the longer one;
+  // a rescue when the queue is stalled (no Work settled since the mark) or
+  // unserved, or completions are held (none taken since the mark), and, if
+  // a new worker is needed, the look was the longer one;
   CallbackThreads::Look lookLocked(std::chrono::milliseconds slept) override;
-  // rescue_ for a free worker or a new one; with no thread to be had, the
-  // watcher runs the op itself (unlocking `lock` meanwhile).
+  // for the queue, rescue_ for a free worker or a new one; for completions,
+  // a new worker; with no thread to be had, the watcher runs the op or
+  // settles the completion itself (unlocking `lock` meanwhile).
   void rescueLocked(std::unique_lock<std::mutex>& lock) override;
 
   const RunOp run_;
@@ -299,12 +315,13 @@ class OpExecutor : private CallbackThreads::Client {
   // queue to be its to run.
   std::condition_variable idleCv_;
   // p2p completions, guarded by mu_: those not yet taken, in arrival order;
-  // the workers idle in cv_, the one running an op, and those in a helping
-  // wait for a p2p Work from a callback; completions taken so far and at the
+  // the workers idle in cv_, those started and not yet in their loop, the one
+  // running an op, and those in a helping wait for a p2p Work from a callback; completions taken so far and at the
   // watcher's last look (the rescue was for them); the threads settling them
   // after the stop. Helping waits wait on completedCv_.
   std::deque<std::pair<c10::intrusive_ptr<Work>, Settle>> completed_;
   size_t idle_ = 0;
+  size_t starting_ = 0;
   bool workerRunsOp_ = false;
   size_t helpingWorkers_ = 0;
   uint64_t completionsTaken_ = 0;

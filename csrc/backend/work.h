@@ -90,7 +90,8 @@ class Work : public c10d::Work {
   // is returned.
   void setHelper(std::function<void(Work*)> helper) { helper_ = std::move(helper); }
 
-  // Called once, by the thread that ran the op; ends the profiler's event.
+  // Called once, by the thread that settles the Work; ends the profiler's
+  // event.
   void complete(int sourceRank = -1);
   void fail(std::exception_ptr error);
 

@@ -6,8 +6,9 @@
 // The thread runs each op's completion callback once it is done, outside the
 // engine's lock. Those callbacks must not block: the backend's hand the Work
 // to its op executor (backend/op_executor.h), which settles it and runs its
-// Future's callbacks on another thread, so a callback that waits for another
-// p2p op never holds up the thread that completes it. The thread owns the
+// Future's callbacks on another thread (also once it stops), so a callback
+// that waits for another p2p op never holds up the thread that completes it.
+// A send the socket takes at once completes on the posting thread instead. The thread owns the
 // engine (a shared_ptr): the last owner may go while it runs.
 #pragma once
 
@@ -146,7 +147,8 @@ class P2PEngine : public std::enable_shared_from_this<P2PEngine> {
   // Locking: mu_ guards everything from sends_ to thread_. The engine's
   // thread holds it while it reads and writes sockets (the helpers above that
   // take `done` run with it held) and drops it to poll and to run completions;
-  // the callers' post/abort/stop take it briefly. Completions and onFatal_ run
+  // the callers' post/abort/stop take it briefly (postSend's inline run
+  // makes one non-blocking sendmsg under it). Completions and onFatal_ run
   // outside it. The wake pipe is closed by the destructor, after the thread.
   std::mutex mu_;
   std::vector<std::deque<Send>> sends_;  // per peer, in post order
