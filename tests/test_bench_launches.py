@@ -46,6 +46,7 @@ def test_launches_and_their_spread(tmp_path):
                    for k in ("spun", "yielded", "slept", "migrations")), w
         assert len(w["cpus_by_rank"]) == 2 and all(w["cpus_by_rank"]), w
     assert "ringreduce slowest launch" in proc.stdout, proc.stdout
+    assert "ringreduce launches over 1.5x the row's median" in proc.stdout, proc.stdout
     assert "max/median" in proc.stdout
 
 
@@ -69,3 +70,21 @@ def test_the_ring_stores_of_the_size_class_that_holds_the_row():
         ", ring stores (65536 B+ messages): 3 plain / 4 streaming")
     assert bench_launches._stores_at(stores, 16384) == ""  # no ring message that small
     assert bench_launches._stores_at(None, 65536) == ""    # gloo, or an older JSON
+
+
+def test_slow_launches_name_the_other_backends_in_the_same_launch():
+    """A launch of ours over 1.5x the row's median is listed with what every
+    other backend took in that launch over its own median (shared: the
+    machine's), from the summary's per-launch times."""
+    def row(backend, size, ts):
+        return {"op": "allreduce", "backend": backend, "size_bytes": size,
+                "median_us": statistics.median(ts), "time_us_by_launch": ts}
+    rows = [row("ringreduce", 4096, [10.0, 10.0, 40.0, 10.0]),
+            row("mpi", 4096, [2.0, 2.0, 8.0, 2.0]),
+            row("ringreduce", 65536, [20.0, 25.0, 20.0, 20.0]),  # 1.25x: not slow
+            row("mpi", 65536, [30.0, 90.0, 30.0, 30.0])]
+    assert bench_launches.shared_slow_launches(rows, "allreduce", "ringreduce") == [
+        "4096 B launch 2 4.00x (mpi 4.00x)"]
+    assert bench_launches.shared_slow_launches(rows, "allreduce", "mpi") == [
+        "4096 B launch 2 4.00x (ringreduce 4.00x)", "65536 B launch 1 3.00x (ringreduce 1.25x)"]
+    assert bench_launches.shared_slow_launches(rows, "broadcast", "ringreduce") == []

@@ -13,7 +13,10 @@ per-launch times (each launch's row is the median of its repeats, as
 torch_ringreduce.bench reports it) and the slowest launch's time over the
 median (the spread); for ringreduce, the wait summary of the slowest launch
 (what its ranks' waits did: spun, yielded, slept, migrations, CPUs) beside
-the median launch's. --json writes every launch's rows and the summary.
+the median launch's, and each of its launches over SLOW x its median with
+what the other backends took in that same launch over their own medians (a
+slow launch shared by every stack is the machine's, not the backend's).
+--json writes every launch's rows and the summary.
 """
 import argparse
 import json
@@ -124,6 +127,31 @@ def print_table(rows, docs):
                           f"CPUs by rank {w['cpus_by_rank']}, "
                           f"runnable threads {w['runnable_threads']}"
                           + _stores_at(w.get("ring_stores"), worst["size_bytes"]))
+            slow = shared_slow_launches(rows, op, b)
+            print(f"# {b} launches over {SLOW}x the row's median, the others in the same "
+                  f"launch over theirs: " + ("; ".join(slow) if slow else "none"))
+
+
+SLOW = 1.5  # a launch's row over this times the row's median is a slow launch
+
+
+def shared_slow_launches(rows, op, backend):
+    """'SIZE B launch I R.RRx (other R.RRx, ...)' for every launch of `backend`'s
+    rows of `op` over SLOW times the row's median, with the other backends'
+    time in that launch over their own median."""
+    mine = {r["size_bytes"]: r for r in rows if r["op"] == op and r["backend"] == backend}
+    others = [r for r in rows if r["op"] == op and r["backend"] != backend]
+    out = []
+    for size, r in sorted(mine.items()):
+        for i, t in enumerate(r["time_us_by_launch"]):
+            if not r["median_us"] or t / r["median_us"] <= SLOW:
+                continue
+            theirs = [f"{o['backend']} {o['time_us_by_launch'][i] / o['median_us']:.2f}x"
+                      for o in others if o["size_bytes"] == size and o["median_us"]
+                      and i < len(o["time_us_by_launch"])]
+            out.append(f"{size} B launch {i} {t / r['median_us']:.2f}x"
+                       + (f" ({', '.join(theirs)})" if theirs else ""))
+    return out
 
 
 def _stores_at(stores, size):
