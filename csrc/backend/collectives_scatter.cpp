@@ -116,8 +116,8 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
   OpInfo op = makeOp(OpKind::kReduceScatter, "reduce_scatter_tensor_coalesced", outputs[0],
                      static_cast<uint8_t>(opts.reduceOp.op_), total);
   std::vector<at::Tensor> ins = stage.in(inputs), outs = stage.out(outputs);
-  return enqueue(std::move(op), opts.timeout, c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
-                 outputs, opts.asyncOp,
+  return enqueue(std::move(op), opts.timeout, kReduceScatterCoalescedType, outputs,
+                 opts.asyncOp,
                  [ins, outs, total, fn, reduceOp](const Comm& c) {
                    // Block r (what rank r ends with) is every input's slice r
                    // end to end.

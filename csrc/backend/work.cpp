@@ -34,7 +34,10 @@ const char* Work::profilingTitle(c10d::OpType type) {
     case T::SCATTER: return "ringreduce:scatter";
     case T::REDUCE_SCATTER:
     case T::_REDUCE_SCATTER_BASE:
-    case T::REDUCE_SCATTER_TENSOR_COALESCED: return "ringreduce:reduce_scatter";
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+    case T::REDUCE_SCATTER_TENSOR_COALESCED:
+#endif
+      return "ringreduce:reduce_scatter";
     case T::ALLTOALL:
     case T::ALLTOALL_BASE: return "ringreduce:all_to_all";
     case T::SEND: return "ringreduce:send";

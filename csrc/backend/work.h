@@ -6,6 +6,7 @@
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/version.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -16,6 +17,15 @@
 #include "common/errors.h"
 
 namespace ringreduce {
+
+// The op type of reduce_scatter_tensor_coalesced: torch 2.13 names it
+// (REDUCE_SCATTER_TENSOR_COALESCED); 2.11 has no such type, and the op is
+// then reported as the reduce-scatter of one flat tensor it is.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+constexpr c10d::OpType kReduceScatterCoalescedType = c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+#else
+constexpr c10d::OpType kReduceScatterCoalescedType = c10d::OpType::_REDUCE_SCATTER_BASE;
+#endif
 
 class Work : public c10d::Work {
  public:
