@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <unordered_map>
@@ -33,6 +32,10 @@ namespace shm {
 
 class RingStoreChooser {
  public:
+  // floor(log2(bytes)) for bytes > 0 (C++17: torch 2.11 builds with it).
+  static int log2Floor(size_t bytes) {
+    return 63 - __builtin_clzll(static_cast<unsigned long long>(bytes));
+  }
   // --8<-- [start:sampling]
   static constexpr int kSamples = 9;                // per kind of store, per round of sampling
   static constexpr uint32_t kRecheckAfter = 2048;  // exchanges on the choice before sampling again
@@ -78,7 +81,7 @@ class RingStoreChooser {
 
   // The kind, and the size's power of two (floor of log2; callers pass >= 16 KiB).
   static uint32_t key(uint8_t kind, size_t bytes) {
-    return static_cast<uint32_t>(kind) << 8 | static_cast<uint32_t>(std::bit_width(bytes) - 1);
+    return static_cast<uint32_t>(kind) << 8 | static_cast<uint32_t>(log2Floor(bytes));
   }
 
   static float median(std::array<float, kSamples> v) {

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -137,7 +136,7 @@ class ShmTransport : public Transport {
                  (stores_ == RingStores::kMeasured &&
                   chooser_.streaming(opKind_, largest, &sampling_));
     std::lock_guard<std::mutex> lock(useMu_);
-    ++use_[{opKind_, std::bit_width(largest) - 1}][opStreams_ ? 1 : 0];
+    ++use_[{opKind_, RingStoreChooser::log2Floor(largest)}][opStreams_ ? 1 : 0];
   }
 
   // Copies as much of the message as the ring to s.peer has room for.
