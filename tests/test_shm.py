@@ -233,8 +233,71 @@ def test_ring_stores_follow_the_measured_op_times(worlds, world_size):
         for slow, phases in expected.items():
             assert reported[slow] == [
                 {"mode": mode, "ops": [{"op": "allgather", "size_class": 65536, "plain": p,
-                                        "streaming": st}]} for p, st in phases
-            ] + [{"mode": mode, "ops": []}], f"rank {rank}, {slow} slow: {reported[slow]}"
+                                        "streaming": st}], "staging": []} for p, st in phases
+            ] + [{"mode": mode, "ops": [], "staging": []}], \
+                f"rank {rank}, {slow} slow: {reported[slow]}"
+
+
+def _staging_follows_measurement(ctx):
+    """Two-step all-reduces of 256 KiB (one round each) on a new group whose measured
+    round times (_testing.shm_store_penalty_us) make one kind of store slow, then the
+    chosen kind slower still: what wait_stats()["ring_stores"]["staging"] says the
+    rounds chose in each phase (reset_stats() between). Every result is checked."""
+    from torch_ringreduce import _C
+
+    rank, n = ctx.rank, ctx.world_size
+    count = 65_536  # float32: 256 KiB, one staging round
+    want = lambda i: torch.full((count,), float(sum(r * 100 + i for r in range(n))))
+    reported, failures = {}, []
+    for slow in ("streaming", "plain"):
+        first = (0, 1e6) if slow == "streaming" else (1e6, 0)
+        # then the kind chosen in phase 2 slower than the other kind was sampled
+        then = (3e6, 1e6) if slow == "streaming" else (1e6, 3e6)
+        old = _C._testing.shm_store_penalty_us(*first)
+        try:
+            group = _group_with_env(RINGREDUCE_ALLREDUCE="two_step")
+            backend = group._get_backend(CPU)
+            backend.reset_stats()
+            reported[slow] = []
+            i = 0
+            # 16 on the choice: two whole windows of RingStoreChooser::kWatch
+            for phase, penalties in ((18, first), (16, first), (36, then)):
+                _C._testing.shm_store_penalty_us(*penalties)
+                for _ in range(phase):
+                    t = torch.full((count,), float(rank * 100 + i))
+                    dist.all_reduce(t, group=group)
+                    if not torch.equal(t, want(i)):
+                        failures.append(f"{slow} slow, op {i}: the sum differs")
+                    i += 1
+                reported[slow].append(backend.wait_stats()["ring_stores"]["staging"])
+                backend.reset_stats()
+        finally:
+            _C._testing.shm_store_penalty_us(*old)
+        dist.destroy_process_group(group)
+    return backend.wait_policy()["ranks_fit_cpus"], reported, failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_two_step_staging_stores_follow_the_measured_round_times(worlds, world_size):
+    """The two-step all-reduce's copies into the staging areas take plain or
+    streaming stores as the rings do, timed per round: nine rounds of each, then the
+    faster; and once the chosen kind's rounds, eight in a row, take longer than the
+    other kind took, both are sampled again at once (the VM's cores moving apart makes
+    plain stores several times slower within seconds). Where the ranks do not fit
+    the cores, every round takes plain stores."""
+    for rank, (fits, reported, failures) in enumerate(
+            worlds.run(world_size, _staging_follows_measurement)):
+        assert failures == [], f"rank {rank}: {failures}"
+        # (plain, streaming) rounds: sampling, on the choice, then 8 on the
+        # choice before both are sampled again (9 + 9) and the other kept (10)
+        expected = ({"streaming": [(9, 9), (16, 0), (8 + 9, 9 + 10)],
+                     "plain": [(9, 9), (0, 16), (9 + 10, 8 + 9)]} if fits else
+                    {"streaming": [(18, 0), (16, 0), (36, 0)],
+                     "plain": [(18, 0), (16, 0), (36, 0)]})
+        for slow, phases in expected.items():
+            assert reported[slow] == [
+                [{"op": "allreduce", "size_class": 262144, "plain": p, "streaming": st}]
+                for p, st in phases], f"rank {rank}, {slow} slow: {reported[slow]}"
 
 
 FOLD_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8,

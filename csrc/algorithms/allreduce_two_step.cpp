@@ -38,27 +38,30 @@ namespace {
 constexpr size_t kPieceBytes = 16 << 10;
 
 // dst = srcs[0] op srcs[1] op ... (left to right) over `count` elements, also
-// copied to `copy` (this rank's staging area, which peers read back) unless
+// staged to `copy` (this rank's staging area, which peers read back) unless
 // it is null. srcs[own] is dst itself (this rank's slice of its own buffer).
 // Rank 0's own data comes first: it folds the others into dst. Rank 1 folds
 // rank 0's data into dst with the operands swapped (op(x0, x1), as rank 0
 // would), so it copies no more than rank 0 does. A later rank builds each
-// piece in `copy` (or a scratch piece) and copies it into dst.
-void reduceInOrder(char* dst, char* copy, const std::vector<const char*>& srcs, size_t own,
-                   size_t count, size_t elemSize, ReduceFn fn) {
+// piece in `copy` (or, without it or with streaming stores, a scratch piece)
+// and copies it into dst.
+void reduceInOrder(SharedBuffers& shared, char* dst, char* copy,
+                   const std::vector<const char*>& srcs, size_t own, size_t count,
+                   size_t elemSize, ReduceFn fn) {
   const size_t pieceElems = std::max<size_t>(1, kPieceBytes / elemSize);
   const ReduceFn swapped = own == 1 ? reversedFunction(fn) : nullptr;
   const bool aside = own > 0 && swapped == nullptr;
-  std::vector<char> scratch(aside && copy == nullptr ? std::min(count, pieceElems) * elemSize
-                                                     : 0);
+  const bool inCopy = copy != nullptr && !shared.streaming();
+  std::vector<char> scratch(aside && !inCopy ? std::min(count, pieceElems) * elemSize : 0);
   for (size_t done = 0; done < count; done += pieceElems) {
     const size_t n = std::min(pieceElems, count - done);
     const size_t at = done * elemSize;
     if (aside) {
-      char* acc = copy != nullptr ? copy + at : scratch.data();
+      char* acc = inCopy ? copy + at : scratch.data();
       std::memcpy(acc, srcs[0] + at, n * elemSize);
       for (size_t i = 1; i < srcs.size(); ++i) fn(acc, srcs[i] + at, n);  // srcs[own] is dst
       std::memcpy(dst + at, acc, n * elemSize);
+      if (copy != nullptr && !inCopy) shared.stage(copy + at, acc, n * elemSize);
       continue;
     }
     size_t i = 1;
@@ -67,7 +70,7 @@ void reduceInOrder(char* dst, char* copy, const std::vector<const char*>& srcs, 
       i = 2;
     }
     for (; i < srcs.size(); ++i) fn(dst + at, srcs[i] + at, n);
-    if (copy != nullptr) std::memcpy(copy + at, dst + at, n * elemSize);
+    if (copy != nullptr) shared.stage(copy + at, dst + at, n * elemSize);
   }
 }
 
@@ -77,24 +80,24 @@ void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count
                   size_t elemSize, ReduceFn fn, uint64_t step, const AcrossHosts& across) {
   const int rank = shared.rank(), size = shared.size();
   const size_t bytes = count * elemSize;
-  const uint64_t round = shared.beginRound(c.op);
+  const uint64_t round = shared.beginRound(c.op, bytes, /*measured=*/true);
   // Only the peers read the staged chunk: this rank's own slice stays put.
   const Block mine = evenBlock(count, size, rank);
   const size_t at = mine.offset * elemSize, end = at + mine.count * elemSize;
   char* area = shared.staging(rank, round);
-  if (at > 0) std::memcpy(area, base, at);
-  if (bytes > end) std::memcpy(area + end, base + end, bytes - end);
+  if (at > 0) shared.stage(area, base, at);
+  if (bytes > end) shared.stage(area + end, base + end, bytes - end);
   shared.publishStaged(c.op, round, step, bytes);
   shared.awaitStaged(c.op, round, step, bytes);
 
   std::vector<const char*> srcs(size);
   for (int q = 0; q < size; ++q) srcs[q] = q == rank ? base + at : shared.staging(q, round) + at;
   char* back = area + at;
-  reduceInOrder(base + at, across ? nullptr : back, srcs, static_cast<size_t>(rank), mine.count,
-                elemSize, fn);
+  reduceInOrder(shared, base + at, across ? nullptr : back, srcs, static_cast<size_t>(rank),
+                mine.count, elemSize, fn);
   if (across) {
     across(base + at, mine.count);
-    if (mine.count > 0) std::memcpy(back, base + at, mine.count * elemSize);
+    if (mine.count > 0) shared.stage(back, base + at, mine.count * elemSize);
   }
   shared.publishReduced(round);
   shared.awaitReduced(c.op, round);
@@ -106,6 +109,7 @@ void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count
     std::memcpy(base + b.offset * elemSize, shared.staging(q, round) + b.offset * elemSize,
                 b.count * elemSize);
   }
+  shared.endRound();
 }
 
 }  // namespace

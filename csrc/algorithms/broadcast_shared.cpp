@@ -21,7 +21,8 @@ void broadcastShared(const Comm& c, SharedBuffers& shared, char* data, size_t by
   const size_t rounds = sliceCount(bytes, chunk);  // one, empty, for 0 bytes
   for (size_t k = 0; k < rounds; ++k) {
     const Block b = sliceOf(bytes, chunk, k);
-    const uint64_t round = shared.beginRound(c.op);
+    // Plain stores: the root, the only writer, cannot time its readers.
+    const uint64_t round = shared.beginRound(c.op, b.count, /*measured=*/false);
     char* area = shared.staging(rootLocal, round);
     if (isRoot && b.count > 0) std::memcpy(area, data + b.offset, b.count);
     shared.publishStaged(c.op, round, k, b.count);

@@ -471,11 +471,16 @@ bool OpExecutor::hasFreeCompletionLocked() const {
 std::pair<c10::intrusive_ptr<Work>, OpExecutor::Settle> OpExecutor::takeFreeCompletionLocked() {
   auto it = std::find_if(completed_.begin(), completed_.end(),
                          [](const auto& c) { return c.first->p2pWaiters == 0; });
+  rescueCompletion_ = false;
+  return takeCompletionLocked(it);
+}
+
+std::pair<c10::intrusive_ptr<Work>, OpExecutor::Settle> OpExecutor::takeCompletionLocked(
+    std::deque<std::pair<c10::intrusive_ptr<Work>, Settle>>::iterator it) {
   auto c = std::move(*it);
   completed_.erase(it);
   c.first->p2pTaken = true;
   ++completionsTaken_;
-  rescueCompletion_ = false;
   return c;
 }
 
@@ -514,10 +519,7 @@ void OpExecutor::settleWhenComplete(Work* work) {
       auto it = std::find_if(completed_.begin(), completed_.end(),
                              [work](const auto& c) { return c.first.get() == work; });
       if (it != completed_.end()) {
-        mine = std::move(*it);
-        completed_.erase(it);
-        work->p2pTaken = true;
-        ++completionsTaken_;
+        mine = takeCompletionLocked(it);
         break;
       }
       completedCv_.wait(lock);

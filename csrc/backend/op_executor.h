@@ -223,6 +223,9 @@ class OpExecutor : private CallbackThreads::Client {
   // taken to be settled.
   bool hasFreeCompletionLocked() const;
   std::pair<c10::intrusive_ptr<Work>, Settle> takeFreeCompletionLocked();
+  // Takes the completion at `it` out of the queue, marked taken (with mu_).
+  std::pair<c10::intrusive_ptr<Work>, Settle> takeCompletionLocked(
+      std::deque<std::pair<c10::intrusive_ptr<Work>, Settle>>::iterator it);
   // Settles one on this thread (onWorker: counted in callbacks since taken).
   void runCompletion(std::pair<c10::intrusive_ptr<Work>, Settle>& c, bool onWorker);
   // Work::wait()'s helping wait for a p2p Work: takes its completion when it

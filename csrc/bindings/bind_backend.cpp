@@ -121,18 +121,22 @@ void bindBackend(py::module_& m) {
             out["minor_faults"] = s.minorFaults;
             out["major_faults"] = s.majorFaults;
             const ringreduce::Transport::RingStoreUse use = b.ringStoreUse();
-            py::list ops;
-            for (const auto& row : use.rows) {
-              py::dict r;
-              r["op"] = ringreduce::opKindName(row.kind);
-              r["size_class"] = row.sizeClass;
-              r["plain"] = row.plain;
-              r["streaming"] = row.streaming;
-              ops.append(r);
-            }
+            const auto rows = [](const std::vector<ringreduce::Transport::RingStoreUse::Row>& in) {
+              py::list out;
+              for (const auto& row : in) {
+                py::dict r;
+                r["op"] = ringreduce::opKindName(row.kind);
+                r["size_class"] = row.sizeClass;
+                r["plain"] = row.plain;
+                r["streaming"] = row.streaming;
+                out.append(r);
+              }
+              return out;
+            };
             py::dict stores;
             stores["mode"] = use.mode;
-            stores["ops"] = ops;
+            stores["ops"] = rows(use.rows);
+            stores["staging"] = rows(use.staging);
             out["ring_stores"] = stores;
             return out;
           },
@@ -149,7 +153,9 @@ void bindBackend(py::module_& m) {
           "'measured' (timed per kind of op and size), 'plain' or 'streaming' (forced, or plain "
           "because the ranks do not fit the cores), '' without rings; 'ops': per kind of op "
           "and size class (the op's largest message in [size_class, 2 size_class) bytes, "
-          "16 KiB and up) the ops that took 'plain' and 'streaming' stores}")
+          "16 KiB and up) the ops that took 'plain' and 'streaming' stores; 'staging': the "
+          "same for the two-step all-reduce's staging areas, counted in rounds, by the "
+          "round's bytes}")
       .def(
           "wait_policy",
           [](const ringreduce::Backend& b) {

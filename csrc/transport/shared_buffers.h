@@ -41,7 +41,21 @@ class SharedBuffers {
   // Starts this rank's next round of `op` and returns its number: waits until
   // no peer can still be reading this rank's area for it (every peer staged
   // the round before, so it finished the one that last used the area).
-  virtual uint64_t beginRound(const OpInfo& op) = 0;
+  // `measured`: the round's stores (stage()) are chosen by measurement for
+  // its size, `bytes`, and the round is timed until endRound(); else plain.
+  virtual uint64_t beginRound(const OpInfo& op, size_t bytes, bool measured) = 0;
+
+  // Copies n bytes from src to dst in this rank's staging area of the round
+  // begun last, with that round's stores: plain, or streaming (ring_stores.h)
+  // where they measured faster, as the rings choose theirs. Visible to the
+  // peers once the next publish*() is.
+  virtual void stage(char* dst, const char* src, size_t n) = 0;
+  // Whether the round begun last streams its stores into staging areas (a
+  // staging area it builds a result in, reading it back, is not for them).
+  virtual bool streaming() const = 0;
+  // This rank is done with the round begun last (its copy-out too): its time
+  // goes to the choice of stores when measured.
+  virtual void endRound() = 0;
 
   // Local rank `rank`'s staging area in `round` (every rank may read any area
   // between the flags that make it safe; only its owner writes it).

@@ -178,6 +178,9 @@ class Transport {
     };
     std::string mode;
     std::vector<Row> rows;  // by kind, then size
+    // The same for the two-step's staging areas, counted in rounds (a
+    // round's bytes, at most the staging size, are its size).
+    std::vector<Row> staging;
   };
   virtual RingStoreUse ringStoreUse(bool reset) {
     (void)reset;

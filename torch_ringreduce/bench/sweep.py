@@ -293,22 +293,24 @@ def wait_summaries(ctx, groups):
 
 
 def _ring_stores(name, per_rank):
-    """The ranks' ring stores summed per op and size class, and a line for the
-    table (None when no op wrote a ring with a message of 16 KiB or more)."""
+    """The ranks' ring stores summed per op and size class (ops), and the
+    two-step's staging stores (rounds), and a line for the table (None when
+    nothing wrote a ring or staging area with 16 KiB or more)."""
     modes = sorted({r["mode"] for r in per_rank if r["mode"]})
-    counts = {}
-    for r in per_rank:
-        for row in r["ops"]:
-            key = (row["op"], row["size_class"])
-            plain, streaming = counts.get(key, (0, 0))
-            counts[key] = (plain + row["plain"], streaming + row["streaming"])
-    summary = {"modes": modes,
-               "ops": [{"op": op, "size_class": size, "plain": p, "streaming": st}
-                       for (op, size), (p, st) in sorted(counts.items())]}
-    if not counts:
+    summary, parts = {"modes": modes}, []
+    for key, unit in (("ops", ""), ("staging", " two-step rounds")):
+        counts = {}
+        for r in per_rank:
+            for row in r.get(key, []):
+                at = (row["op"], row["size_class"])
+                plain, streaming = counts.get(at, (0, 0))
+                counts[at] = (plain + row["plain"], streaming + row["streaming"])
+        summary[key] = [{"op": op, "size_class": size, "plain": p, "streaming": st}
+                        for (op, size), (p, st) in sorted(counts.items())]
+        parts += [f"{op}{unit} {bu.size_label(size)}+ {p} plain / {st} streaming"
+                  for (op, size), (p, st) in sorted(counts.items())]
+    if not parts:
         return summary, None
-    parts = [f"{op} {bu.size_label(size)}+ {p} plain / {st} streaming"
-             for (op, size), (p, st) in sorted(counts.items())]
     return summary, (f"# {name} ring stores (all ranks; {', '.join(modes)}): "
                      + "; ".join(parts))
 

@@ -11,14 +11,20 @@
 // largest message, by powers of two) it alternates the two kinds for the
 // first kSamples exchanges of each, keeps the one with the lower median
 // exchange time, and samples both again after kRecheckAfter exchanges in
-// that class, so a machine whose load changes is followed. The choice is the
+// that class, or at once when kWatch exchanges in a row on the choice took a
+// median above the other kind's sampled median: the cores of a VM can move
+// apart within seconds, where plain stores get several times slower and
+// streaming ones do not (docs/transports.md, "Writing the rings"), so a
+// machine whose load or placement changes is followed. The choice is the
 // producer's alone: the consumer reads ring bytes the same way either way
 // (the streaming copy fences before it publishes), so ranks that chose
 // differently still exchange exact bytes; only speed is at stake. Ranks of a
 // symmetric op alternate in step (the same exchanges in the same order), so a
 // sample times both ends with the same stores.
 //
-// Not thread-safe: the backend's one op at a time drives a transport.
+// Used for the rings (per op: shm_transport.cpp) and the staging areas (per
+// round of the two-step all-reduce: shm_shared_buffers.cpp). Not
+// thread-safe: the backend's one op at a time drives a transport.
 #pragma once
 
 #include <algorithm>
@@ -39,34 +45,42 @@ class RingStoreChooser {
   // --8<-- [start:sampling]
   static constexpr int kSamples = 9;                // per kind of store, per round of sampling
   static constexpr uint32_t kRecheckAfter = 2048;  // exchanges on the choice before sampling again
+  static constexpr int kWatch = 8;  // exchanges on the choice whose median is compared
   // --8<-- [end:sampling]
 
   // Whether the next exchange of kind `kind` whose largest message is `bytes`
-  // streams; `*sample` says whether record() wants its time.
-  bool streaming(uint8_t kind, size_t bytes, bool* sample) {
+  // streams. Its time goes to record().
+  bool streaming(uint8_t kind, size_t bytes) {
     Entry& e = table_[key(kind, bytes)];
     if (e.choice >= 0) {
-      if (++e.sinceChoice <= kRecheckAfter) {
-        *sample = false;
-        return e.choice == 1;
-      }
+      if (++e.sinceChoice <= kRecheckAfter) return e.choice == 1;
       e = Entry{};
     }
-    *sample = true;
     int mode = static_cast<int>(e.turns++ & 1);
     if (e.count[mode] == kSamples) mode ^= 1;
     return mode == 1;
   }
 
-  // The time of an exchange that streaming() asked to sample.
+  // The time of an exchange streaming() chose for.
   void record(uint8_t kind, size_t bytes, bool streamed, double us) {
     Entry& e = table_[key(kind, bytes)];
     const int mode = streamed ? 1 : 0;
-    if (e.choice >= 0 || e.count[mode] == kSamples) return;
+    if (e.choice >= 0) {
+      if (mode != e.choice) return;
+      e.recent[e.recentCount++] = static_cast<float>(us);
+      if (e.recentCount < kWatch) return;
+      e.recentCount = 0;
+      if (median(e.recent) > e.otherUs) e = Entry{};  // slower than the other kind was
+      return;
+    }
+    if (e.count[mode] == kSamples) return;
     e.us[mode][e.count[mode]++] = static_cast<float>(us);
     if (e.count[0] == kSamples && e.count[1] == kSamples) {
-      e.choice = median(e.us[1]) < median(e.us[0]) ? 1 : 0;
+      const float plain = median(e.us[0]), streamed = median(e.us[1]);
+      e.choice = streamed < plain ? 1 : 0;
+      e.otherUs = e.choice == 1 ? plain : streamed;
       e.sinceChoice = 0;
+      e.recentCount = 0;
     }
   }
 
@@ -77,6 +91,9 @@ class RingStoreChooser {
     uint32_t turns = 0;
     uint32_t sinceChoice = 0;
     int choice = -1;  // -1 sampling, 0 plain, 1 streaming
+    float otherUs = 0;  // the median of the kind not chosen
+    std::array<float, kWatch> recent{};  // the choice's latest times
+    int recentCount = 0;
   };
 
   // The kind, and the size's power of two (floor of log2; callers pass >= 16 KiB).
@@ -84,9 +101,10 @@ class RingStoreChooser {
     return static_cast<uint32_t>(kind) << 8 | static_cast<uint32_t>(log2Floor(bytes));
   }
 
-  static float median(std::array<float, kSamples> v) {
-    std::nth_element(v.begin(), v.begin() + kSamples / 2, v.end());
-    return v[kSamples / 2];
+  template <size_t N>
+  static float median(std::array<float, N> v) {
+    std::nth_element(v.begin(), v.begin() + N / 2, v.end());
+    return v[N / 2];
   }
 
   std::unordered_map<uint32_t, Entry> table_;

@@ -205,9 +205,12 @@ enum class RingStores { kPlain, kStreaming, kMeasured };
 std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const Topology& topology,
                                             Members members, void* base, const Layout& layout,
                                             RingStores stores);
-// shm_shared_buffers.cpp: the segment's staging areas as SharedBuffers.
+// shm_shared_buffers.cpp: the segment's staging areas as SharedBuffers,
+// stores into them as `stores` says (measured per round of the two-step);
+// stagingStoreUse: what its rounds chose (`shared` is one it made).
 std::unique_ptr<SharedBuffers> makeSharedBuffers(ControlPlane& plane, Segment& seg,
-                                                 const Members& members);
+                                                 const Members& members, RingStores stores);
+std::vector<Transport::RingStoreUse::Row> stagingStoreUse(SharedBuffers& shared, bool reset);
 
 }  // namespace shm
 }  // namespace ringreduce

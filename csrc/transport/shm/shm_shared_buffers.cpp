@@ -18,10 +18,16 @@
 // and already sent its next one's message is never mistaken for it: it could
 // only have finished once every flag this rank waits for was up.
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <thread>
 
+#include "transport/shm/ring_stores.h"
 #include "transport/shm/shm_segment.h"
+#include "transport/shm/shm_transport.h"
 
 namespace ringreduce {
 namespace shm {
@@ -31,19 +37,58 @@ enum class Flag { kStaged, kReduced };
 
 class ShmSharedBuffers : public SharedBuffers {
  public:
-  ShmSharedBuffers(ControlPlane& plane, Segment& seg, const Members& members)
-      : plane_(plane), seg_(seg), members_(members), rank_(members.me), size_(members.size()) {}
+  ShmSharedBuffers(ControlPlane& plane, Segment& seg, const Members& members, RingStores stores)
+      : plane_(plane), seg_(seg), members_(members), rank_(members.me), size_(members.size()),
+        stores_(stores) {}
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   int groupRank(int local) const override { return members_.ranks[local]; }
   size_t stagingBytes() const override { return seg_.layout().stagingBytes; }
 
-  uint64_t beginRound(const OpInfo& op) override {
+  uint64_t beginRound(const OpInfo& op, size_t bytes, bool measured) override {
     announceOp(seg_, rank_, op);
     const uint64_t round = ++round_;
     awaitFlags(op, Flag::kStaged, round - 1, "finish its previous round");
+    // The stores: as the rings choose theirs (shm_transport.cpp), per round.
+    roundKind_ = static_cast<uint8_t>(op.kind);
+    roundBytes_ = bytes;
+    timed_ = measured && stores_ == RingStores::kMeasured && bytes >= kStreamingMinBytes;
+    streams_ = bytes >= kStreamingMinBytes &&
+               (stores_ == RingStores::kStreaming ||
+                (timed_ && chooser_.streaming(roundKind_, bytes)));
+    if (measured && bytes >= kStreamingMinBytes) {
+      std::lock_guard<std::mutex> lock(useMu_);
+      ++use_[{roundKind_, RingStoreChooser::log2Floor(bytes)}][streams_ ? 1 : 0];
+    }
+    if (timed_) roundStart_ = Clock::now();
     return round;
+  }
+
+  void stage(char* dst, const char* src, size_t n) override {
+    copyIntoRing(dst, src, n, streams_);
+  }
+
+  bool streaming() const override { return streams_; }
+
+  void endRound() override {
+    if (!timed_) return;
+    timed_ = false;
+    const double us = std::chrono::duration<double, std::micro>(Clock::now() - roundStart_).count() +
+                      hooks().storePenaltyUs[streams_].load(std::memory_order_relaxed);
+    chooser_.record(roundKind_, roundBytes_, streams_, us);
+  }
+
+  // The rounds that chose their stores, per (kind, floor(log2(round bytes))).
+  std::vector<Transport::RingStoreUse::Row> use(bool reset) {
+    std::vector<Transport::RingStoreUse::Row> rows;
+    std::lock_guard<std::mutex> lock(useMu_);
+    for (const auto& [key, counts] : use_) {
+      rows.push_back({static_cast<OpKind>(key.first), size_t{1} << key.second, counts[0],
+                      counts[1]});
+    }
+    if (reset) use_.clear();
+    return rows;
   }
 
   char* staging(int rank, uint64_t round) override {
@@ -186,13 +231,27 @@ class ShmSharedBuffers : public SharedBuffers {
   const int rank_;  // local indices (the segment's)
   const int size_;
   uint64_t round_ = 0;  // the last round this rank began (flags start at 0)
+  const RingStores stores_;
+  RingStoreChooser chooser_;
+  // The round begun last: its kind of op and bytes, its stores, whether (and
+  // since when) it is timed.
+  uint8_t roundKind_ = 0;
+  size_t roundBytes_ = 0;
+  bool streams_ = false, timed_ = false;
+  Clock::time_point roundStart_;
+  std::mutex useMu_;  // guards use_ (read from any thread)
+  std::map<std::pair<uint8_t, int>, std::array<uint64_t, 2>> use_;
 };
 
 }  // namespace
 
 std::unique_ptr<SharedBuffers> makeSharedBuffers(ControlPlane& plane, Segment& seg,
-                                                 const Members& members) {
-  return std::make_unique<ShmSharedBuffers>(plane, seg, members);
+                                                 const Members& members, RingStores stores) {
+  return std::make_unique<ShmSharedBuffers>(plane, seg, members, stores);
+}
+
+std::vector<Transport::RingStoreUse::Row> stagingStoreUse(SharedBuffers& shared, bool reset) {
+  return static_cast<ShmSharedBuffers&>(shared).use(reset);
 }
 
 }  // namespace shm

@@ -29,7 +29,7 @@ class ShmTransport : public Transport {
       : mesh_(mesh), p2p_(p2p), topology_(topology), members_(std::move(members)),
         rank_(members_.me), size_(layout.size), base_(base), seg_(base, layout),
         ringBytes_(layout.ringBytes), stores_(stores) {
-    shared_ = makeSharedBuffers(mesh_, seg_, members_);
+    shared_ = makeSharedBuffers(mesh_, seg_, members_, stores_);
     // A failing op raises the flag before the mesh looks up and publishes
     // the error (about a second at worst), so no peer confirms it meanwhile.
     mesh_.setAbandonHook([this](const OpInfo& op) {
@@ -66,12 +66,12 @@ class ShmTransport : public Transport {
     std::lock_guard<std::mutex> lock(confirmMu_);
     throwIfAborted(mesh_, seg_, op);
     confirmed_ = op.ctx.seq;
-    if (sampling_ && op.ctx.seq == opSeq_) {
+    if (timed_ && op.ctx.seq == opSeq_) {
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - opStart_).count() +
                         hooks().storePenaltyUs[opStreams_].load(std::memory_order_relaxed);
       chooser_.record(opKind_, opBytes_, opStreams_, us);
     }
-    sampling_ = false;
+    timed_ = false;
   }
 
   // The flag names the first op this rank did not confirm: a peer still
@@ -109,6 +109,7 @@ class ShmTransport : public Transport {
                           counts[1]});
     }
     if (reset) use_.clear();
+    out.staging = stagingStoreUse(*shared_, reset);
     return out;
   }
 
@@ -123,7 +124,7 @@ class ShmTransport : public Transport {
       shm::announceOp(seg_, rank_, op);
       opSeq_ = op.ctx.seq;
       opStart_ = Clock::now();
-      opChosen_ = sampling_ = opStreams_ = false;
+      opChosen_ = timed_ = opStreams_ = false;
     }
     if (opChosen_) return;
     size_t largest = 0;
@@ -132,9 +133,9 @@ class ShmTransport : public Transport {
     opChosen_ = true;
     opKind_ = static_cast<uint8_t>(op.kind);
     opBytes_ = largest;
+    timed_ = stores_ == RingStores::kMeasured;
     opStreams_ = stores_ == RingStores::kStreaming ||
-                 (stores_ == RingStores::kMeasured &&
-                  chooser_.streaming(opKind_, largest, &sampling_));
+                 (timed_ && chooser_.streaming(opKind_, largest));
     std::lock_guard<std::mutex> lock(useMu_);
     ++use_[{opKind_, RingStoreChooser::log2Floor(largest)}][opStreams_ ? 1 : 0];
   }
@@ -252,7 +253,7 @@ class ShmTransport : public Transport {
   // The op in flight (its seq), when its first exchange began, and its stores.
   uint64_t opSeq_ = 0;
   Clock::time_point opStart_;
-  bool opChosen_ = false, opStreams_ = false, sampling_ = false;
+  bool opChosen_ = false, opStreams_ = false, timed_ = false;  // timed_: its time goes to chooser_
   uint8_t opKind_ = 0;
   size_t opBytes_ = 0;
   std::unique_ptr<SharedBuffers> shared_;
