@@ -88,3 +88,15 @@ def test_slow_launches_name_the_other_backends_in_the_same_launch():
     assert bench_launches.shared_slow_launches(rows, "allreduce", "mpi") == [
         "4096 B launch 2 4.00x (ringreduce 4.00x)", "65536 B launch 1 3.00x (ringreduce 1.25x)"]
     assert bench_launches.shared_slow_launches(rows, "broadcast", "ringreduce") == []
+
+
+def test_the_cores_probe_of_a_launch():
+    """The slowest and median launch lines end with the launch's cores probe
+    (round trip, plain / streaming hand-over), and with nothing for a probe that
+    failed or a JSON without one."""
+    probe = {"cpus": [0, 1], "round_trip_ns": 812.4, "plain_GBps": 1.24,
+             "streaming_GBps": 6.51}
+    assert bench_launches._cores(probe) == (
+        ", cores 0-1: 812 ns round trip, 1.2 / 6.5 GB/s plain / streaming")
+    assert bench_launches._cores({"cpus": [0, 1], "error": "no CPU 1"}) == ""
+    assert bench_launches._cores(None) == ""

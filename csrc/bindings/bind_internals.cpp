@@ -8,6 +8,7 @@
 #include "algorithms/segments.h"
 #include "bindings/bindings.h"
 #include "transport/cpu_budget.h"
+#include "transport/shm/core_probe.h"
 #include "transport/shm/shm_transport.h"
 
 namespace py = pybind11;
@@ -60,6 +61,28 @@ void bindInternals(py::module_& m) {
       "The thresholds of the algorithm choice (csrc/algorithms/tuning.h) and the staging "
       "area's bytes for a host with `local_ranks` ranks, for scripts that predict what the "
       "backend runs (scripts/studies/_traffic_model.py)");
+
+  m.def(
+      "_probe_cores",
+      [](int cpuA, int cpuB, size_t pieceBytes, int pieces, double limitS) {
+        ringreduce::shm::CoreProbe p;
+        {
+          py::gil_scoped_release release;
+          p = ringreduce::shm::probeCores(cpuA, cpuB, pieceBytes, pieces, limitS);
+        }
+        py::dict out;
+        out["round_trip_ns"] = p.roundTripNs;
+        out["plain_GBps"] = p.plainGBps;
+        out["streaming_GBps"] = p.streamingGBps;
+        return out;
+      },
+      py::arg("cpu_a"), py::arg("cpu_b"), py::arg("piece_bytes") = size_t{1} << 20,
+      py::arg("pieces") = 32, py::arg("limit_s") = 5.0,
+      "How far apart two CPUs are now (csrc/transport/shm/core_probe.h): a cache line's "
+      "round trip between threads pinned to them, in ns, and the GB/s of pieces written on "
+      "cpu_a and copied out on cpu_b with plain and with streaming stores (plain far below "
+      "streaming: the cores are far apart, and every copy between them is slow); "
+      "RuntimeError where a CPU is not in this process's affinity or the limit passed");
 
   // Pure ring arithmetic, exposed for unit tests.
   m.def("_even_block", [](size_t count, int parts, int i) {

@@ -13,9 +13,13 @@ per-launch times (each launch's row is the median of its repeats, as
 torch_ringreduce.bench reports it) and the slowest launch's time over the
 median (the spread); for ringreduce, the wait summary of the slowest launch
 (what its ranks' waits did: spun, yielded, slept, migrations, CPUs) beside
-the median launch's, and each of its launches over SLOW x its median with
-what the other backends took in that same launch over their own medians (a
-slow launch shared by every stack is the machine's, not the backend's).
+the median launch's, with how far apart the cores were after that table
+(a cache line's round trip and 1 MiB hand-overs with plain and streaming
+stores: plain far below streaming means the cores sat far apart on the host,
+where every copy between them is slow), and each of its launches over SLOW x
+its median with what the other backends took in that same launch over their
+own medians (a slow launch shared by every stack is the machine's, not the
+backend's).
 --json writes every launch's rows and the summary.
 """
 import argparse
@@ -126,7 +130,8 @@ def print_table(rows, docs):
                           f"{w.get('minor_faults', '?')} page faults, "
                           f"CPUs by rank {w['cpus_by_rank']}, "
                           f"runnable threads {w['runnable_threads']}"
-                          + _stores_at(w.get("ring_stores"), worst["size_bytes"]))
+                          + _stores_at(w.get("ring_stores"), worst["size_bytes"])
+                          + _cores(docs[i].get("cores", {}).get(op)))
             slow = shared_slow_launches(rows, op, b)
             print(f"# {b} launches over {SLOW}x the row's median, the others in the same "
                   f"launch over theirs: " + ("; ".join(slow) if slow else "none"))
@@ -164,6 +169,16 @@ def _stores_at(stores, size):
     plain = sum(r["plain"] for r in rows if r["size_class"] == top)
     streaming = sum(r["streaming"] for r in rows if r["size_class"] == top)
     return f", ring stores ({top} B+ messages): {plain} plain / {streaming} streaming"
+
+
+def _cores(probe):
+    """', cores: ...' from the launch's probe after the table (its round trip and
+    plain / streaming hand-over rates), or ''."""
+    if not probe or "error" in probe:
+        return ""
+    return (f", cores {probe['cpus'][0]}-{probe['cpus'][1]}: {probe['round_trip_ns']:.0f} ns "
+            f"round trip, {probe['plain_GBps']:.1f} / {probe['streaming_GBps']:.1f} GB/s "
+            f"plain / streaming")
 
 
 def main(argv=None):

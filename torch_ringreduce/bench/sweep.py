@@ -292,6 +292,33 @@ def wait_summaries(ctx, groups):
     return out, lines
 
 
+def cores_probe(ctx, groups):
+    """How far apart two of this host's CPUs are now (torch_ringreduce's
+    _probe_cores on rank 0, the others waiting), and a line for the table: where
+    plain stores hand data between the cores far slower than streaming ones, the
+    cores sat far apart on the host and every shared-memory copy between them
+    was slow (docs/transports.md). None, [] without ringreduce groups or two
+    CPUs to probe."""
+    if not _ours(groups):
+        return None, []
+    probe, line = None, None
+    if ctx.rank == 0:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= 2:
+            from torch_ringreduce import _C
+            try:
+                probe = {"cpus": cpus[:2], **_C._probe_cores(cpus[0], cpus[1])}
+                line = (f"# cores {cpus[0]} and {cpus[1]} after the table: a cache line's round "
+                        f"trip {probe['round_trip_ns']:.0f} ns; 1 MiB pieces handed over at "
+                        f"{probe['plain_GBps']:.2f} GB/s with plain stores, "
+                        f"{probe['streaming_GBps']:.2f} with streaming ones")
+            except RuntimeError as err:
+                probe = {"cpus": cpus[:2], "error": str(err)}
+                line = f"# cores {cpus[0]} and {cpus[1]}: not probed ({err})"
+    dist.barrier()  # the default group: the others wait off the cores meanwhile
+    return probe, [line] if line else []
+
+
 def _ring_stores(name, per_rank):
     """The ranks' ring stores summed per op and size class (ops), and the
     two-step's staging stores (rounds), and a line for the table (None when
@@ -371,39 +398,40 @@ def worker(world, args):
     total = len(args.ops) * len(sizes) * len(groups)
     progress = bu.Progress(total, "bench", enabled=world.rank == 0)
     start, rows = time.perf_counter(), []
-    waits = {}
+    waits, cores = {}, {}
     for op_name in args.ops if groups else []:
         progress.write("\n" + table_header(op_name, ctx, list(groups), args))
         wait_summaries(ctx, groups)  # from zero: this table's waits only
         op_rows = sweep_op(op_name, ctx, groups, sizes, args, progress, refs)
         progress.write(summary(op_rows, list(groups)))
         waits[op_name], lines = wait_summaries(ctx, groups)
-        for line in lines:
+        cores[op_name], more = cores_probe(ctx, groups)
+        for line in lines + more:
             progress.write(line)
         for text in refs.after_table(op_rows):
             progress.write(text)
         rows += op_rows
     progress.close()
     elapsed = time.perf_counter() - start
-    status = finish(world, ctx, rows, failed, elapsed, args, refs, waits)
+    status = finish(world, ctx, rows, failed, elapsed, args, refs, waits, cores)
     dist.barrier()  # no rank tears down its connections while a peer still uses them
     dist.destroy_process_group()
     return status
 
 
-def finish(world, ctx, rows, failed, elapsed, args, refs, waits):
+def finish(world, ctx, rows, failed, elapsed, args, refs, waits, cores):
     wrong = sum(r["wrong"] or 0 for r in rows)
     errors = sum(1 for r in rows if r.get("error"))
     if world.rank == 0:
         print(f"\n# {len(rows)} rows in {elapsed:.1f} s; wrong elements: {wrong}; "
               f"rows with errors: {errors}; backends unavailable: {sorted(failed) or 'none'}")
-        write_json(world, rows, failed, elapsed, args, refs, waits)
+        write_json(world, rows, failed, elapsed, args, refs, waits, cores)
     if wrong or errors:
         return 1
     return 2 if failed else 0
 
 
-def write_json(world, rows, failed, elapsed, args, refs, waits):
+def write_json(world, rows, failed, elapsed, args, refs, waits, cores):
     if not args.json:
         return
     if args.json == "auto":
@@ -411,7 +439,8 @@ def write_json(world, rows, failed, elapsed, args, refs, waits):
         args.json = os.path.join("results", f"bench_collectives_{world.size}r_{stamp}.json")
     env = {**bu.environment(world), "busy": bl.busy_environment(args), **bm.environment()}
     doc = {"environment": env, "args": vars(args), "unavailable_backends": failed,
-           "elapsed_s": elapsed, "reference": refs.to_json(), "rows": rows, "waits": waits}
+           "elapsed_s": elapsed, "reference": refs.to_json(), "rows": rows, "waits": waits,
+           "cores": cores}
     folder = os.path.dirname(args.json)
     if folder:
         os.makedirs(folder, exist_ok=True)

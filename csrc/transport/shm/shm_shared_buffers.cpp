@@ -74,8 +74,9 @@ class ShmSharedBuffers : public SharedBuffers {
   void endRound() override {
     if (!timed_) return;
     timed_ = false;
-    const double us = std::chrono::duration<double, std::micro>(Clock::now() - roundStart_).count() +
-                      hooks().storePenaltyUs[streams_].load(std::memory_order_relaxed);
+    const double us =
+        std::chrono::duration<double, std::micro>(Clock::now() - roundStart_).count() +
+        hooks().storePenaltyUs[streams_].load(std::memory_order_relaxed);
     chooser_.record(roundKind_, roundBytes_, streams_, us);
   }
 
