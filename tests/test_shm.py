@@ -238,16 +238,16 @@ def test_ring_stores_follow_the_measured_op_times(worlds, world_size):
                 f"rank {rank}, {slow} slow: {reported[slow]}"
 
 
-def _staging_follows_measurement(ctx):
-    """Two-step all-reduces of 256 KiB (one round each) on a new group whose measured
-    round times (_testing.shm_store_penalty_us) make one kind of store slow, then the
-    chosen kind slower still: what wait_stats()["ring_stores"]["staging"] says the
-    rounds chose in each phase (reset_stats() between). Every result is checked."""
+def _staging_follows_measurement(ctx, op):
+    """256 KiB two-step all-reduces (one round each) or shared-memory broadcasts from
+    rank 0 on a new group whose measured times (_testing.shm_store_penalty_us) make one
+    kind of store slow, then the chosen kind slower still: what
+    wait_stats()["ring_stores"]["staging"] says the choices were in each phase
+    (reset_stats() between). Every result is checked."""
     from torch_ringreduce import _C
 
     rank, n = ctx.rank, ctx.world_size
-    count = 65_536  # float32: 256 KiB, one staging round
-    want = lambda i: torch.full((count,), float(sum(r * 100 + i for r in range(n))))
+    count = 65_536  # float32: 256 KiB, one staging round; the shared broadcast's size
     reported, failures = {}, []
     for slow in ("streaming", "plain"):
         first = (0, 1e6) if slow == "streaming" else (1e6, 0)
@@ -265,9 +265,14 @@ def _staging_follows_measurement(ctx):
                 _C._testing.shm_store_penalty_us(*penalties)
                 for _ in range(phase):
                     t = torch.full((count,), float(rank * 100 + i))
-                    dist.all_reduce(t, group=group)
-                    if not torch.equal(t, want(i)):
-                        failures.append(f"{slow} slow, op {i}: the sum differs")
+                    if op == "allreduce":
+                        dist.all_reduce(t, group=group)
+                        want = float(sum(r * 100 + i for r in range(n)))
+                    else:
+                        dist.broadcast(t, src=0, group=group)
+                        want = float(i)
+                    if not torch.equal(t, torch.full((count,), want)):
+                        failures.append(f"{slow} slow, {op} {i}: wrong result")
                     i += 1
                 reported[slow].append(backend.wait_stats()["ring_stores"]["staging"])
                 backend.reset_stats()
@@ -277,48 +282,30 @@ def _staging_follows_measurement(ctx):
     return backend.wait_policy()["ranks_fit_cpus"], reported, failures
 
 
+@pytest.mark.parametrize("op", ["allreduce", "broadcast"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_two_step_staging_stores_follow_the_measured_round_times(worlds, world_size):
-    """The two-step all-reduce's copies into the staging areas take plain or
-    streaming stores as the rings do, timed per round: nine rounds of each, then the
-    faster; and once the chosen kind's rounds, eight in a row, take longer than the
-    other kind took, both are sampled again at once (the VM's cores moving apart makes
-    plain stores several times slower within seconds). Where the ranks do not fit
-    the cores, every round takes plain stores."""
+def test_staging_stores_follow_the_measured_times(worlds, world_size, op):
+    """The copies into the staging areas take plain or streaming stores as the rings
+    do: the two-step all-reduce's per round (timed to the end of its copy-out), the
+    shared broadcast's root's per op (timed until every reader copied it out); nine
+    of each, then the faster; and once the chosen kind, eight times in a row, takes
+    longer than the other kind took, both are sampled again at once (the VM's cores
+    moving apart makes plain stores several times slower within seconds). Where the
+    ranks do not fit the cores, every copy takes plain stores. A broadcast's readers
+    write no staging area."""
     for rank, (fits, reported, failures) in enumerate(
-            worlds.run(world_size, _staging_follows_measurement)):
+            worlds.run(world_size, _staging_follows_measurement, op)):
         assert failures == [], f"rank {rank}: {failures}"
-        # (plain, streaming) rounds: sampling, on the choice, then 8 on the
+        # (plain, streaming) choices: sampling, on the choice, then 8 on the
         # choice before both are sampled again (9 + 9) and the other kept (10)
         expected = ({"streaming": [(9, 9), (16, 0), (8 + 9, 9 + 10)],
                      "plain": [(9, 9), (0, 16), (9 + 10, 8 + 9)]} if fits else
                     {"streaming": [(18, 0), (16, 0), (36, 0)],
                      "plain": [(18, 0), (16, 0), (36, 0)]})
         for slow, phases in expected.items():
-            assert reported[slow] == [
-                [{"op": "allreduce", "size_class": 262144, "plain": p, "streaming": st}]
-                for p, st in phases], f"rank {rank}, {slow} slow: {reported[slow]}"
-
-
-def test_the_cores_probe_measures_two_cpus_of_this_process():
-    """_C._probe_cores passes a cache line between threads pinned to two CPUs and
-    hands 1 MiB pieces over with both kinds of store: positive figures within what
-    a machine can do, the caller's own affinity untouched; a CPU outside the
-    process's affinity is an error, not a hang, and so is one CPU twice."""
-    from torch_ringreduce import _C
-
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs two CPUs")
-    p = _C._probe_cores(cpus[0], cpus[1], piece_bytes=1 << 20, pieces=8)
-    assert 1 < p["round_trip_ns"] < 1e6, p
-    assert 0.01 < p["plain_GBps"] < 1000 and 0.01 < p["streaming_GBps"] < 1000, p
-    assert sorted(os.sched_getaffinity(0)) == cpus
-    outside = max(cpus) + 1
-    with pytest.raises(RuntimeError, match=f"CPU {outside}"):
-        _C._probe_cores(cpus[0], outside)
-    with pytest.raises(ValueError, match="two different CPUs"):
-        _C._probe_cores(cpus[0], cpus[0])
+            want = [[{"op": op, "size_class": 262144, "plain": p, "streaming": st}]
+                    if op == "allreduce" or rank == 0 else [] for p, st in phases]
+            assert reported[slow] == want, f"rank {rank}, {slow} slow: {reported[slow]}"
 
 
 FOLD_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8,

@@ -80,7 +80,8 @@ void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count
                   size_t elemSize, ReduceFn fn, uint64_t step, const AcrossHosts& across) {
   const int rank = shared.rank(), size = shared.size();
   const size_t bytes = count * elemSize;
-  const uint64_t round = shared.beginRound(c.op, bytes, /*measured=*/true);
+  const uint64_t round = shared.beginRound(c.op);
+  shared.chooseStores(c.op, bytes);  // per round, timed to the end of its copy-out
   // Only the peers read the staged chunk: this rank's own slice stays put.
   const Block mine = evenBlock(count, size, rank);
   const size_t at = mine.offset * elemSize, end = at + mine.count * elemSize;
@@ -109,7 +110,7 @@ void twoStepRound(const Comm& c, SharedBuffers& shared, char* base, size_t count
     std::memcpy(base + b.offset * elemSize, shared.staging(q, round) + b.offset * elemSize,
                 b.count * elemSize);
   }
-  shared.endRound();
+  shared.storesDone();
 }
 
 }  // namespace

@@ -41,21 +41,23 @@ class SharedBuffers {
   // Starts this rank's next round of `op` and returns its number: waits until
   // no peer can still be reading this rank's area for it (every peer staged
   // the round before, so it finished the one that last used the area).
-  // `measured`: the round's stores (stage()) are chosen by measurement for
-  // its size, `bytes`, and the round is timed until endRound(); else plain.
-  virtual uint64_t beginRound(const OpInfo& op, size_t bytes, bool measured) = 0;
+  virtual uint64_t beginRound(const OpInfo& op) = 0;
 
-  // Copies n bytes from src to dst in this rank's staging area of the round
-  // begun last, with that round's stores: plain, or streaming (ring_stores.h)
-  // where they measured faster, as the rings choose theirs. Visible to the
-  // peers once the next publish*() is.
+  // The stores of this rank's copies into its staging area (stage()) from now
+  // until storesDone(): plain, or streaming (ring_stores.h) where they measured
+  // faster for `op`'s kind and `bytes` (the rounds or op they cover), as the
+  // rings choose theirs. Measured, the time until storesDone() is the sample:
+  // it should cover the peers' reading of what was staged.
+  virtual void chooseStores(const OpInfo& op, size_t bytes) = 0;
+  // Copies n bytes from src to dst in this rank's staging area with the
+  // chosen stores (plain without a choice). Visible to the peers once the
+  // next publish*() is.
   virtual void stage(char* dst, const char* src, size_t n) = 0;
-  // Whether the round begun last streams its stores into staging areas (a
-  // staging area it builds a result in, reading it back, is not for them).
+  // Whether the chosen stores stream (a staging area a rank builds a result
+  // in, reading it back, is not for them).
   virtual bool streaming() const = 0;
-  // This rank is done with the round begun last (its copy-out too): its time
-  // goes to the choice of stores when measured.
-  virtual void endRound() = 0;
+  // Ends the choice (back to plain stores) and records its time when measured.
+  virtual void storesDone() = 0;
 
   // Local rank `rank`'s staging area in `round` (every rank may read any area
   // between the flags that make it safe; only its owner writes it).
@@ -70,10 +72,13 @@ class SharedBuffers {
   // sends this rank a message meanwhile runs another algorithm: the same.
   virtual void awaitStaged(const OpInfo& op, uint64_t round, uint64_t step, size_t bytes) = 0;
 
-  // This rank wrote what the peers read back from its area in `round`.
+  // This rank wrote what the peers read back from its area in `round` (the
+  // shared broadcast: a reader is done reading the root's area).
   virtual void publishReduced(uint64_t round) = 0;
-  // Waits until every rank has published `round` reduced.
-  virtual void awaitReduced(const OpInfo& op, uint64_t round) = 0;
+  // Waits until every rank has published `round` reduced (what the peers
+  // should be doing is `doing`, for a timeout's message).
+  virtual void awaitReduced(const OpInfo& op, uint64_t round,
+                            const char* doing = "reduce its slice") = 0;
 };
 
 }  // namespace ringreduce

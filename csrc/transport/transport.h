@@ -178,8 +178,8 @@ class Transport {
     };
     std::string mode;
     std::vector<Row> rows;  // by kind, then size
-    // The same for the two-step's staging areas, counted in rounds (a
-    // round's bytes, at most the staging size, are its size).
+    // The same for the staging areas (SharedBuffers::chooseStores), by the
+    // bytes each choice covered: a two-step round, a shared broadcast.
     std::vector<Row> staging;
   };
   virtual RingStoreUse ringStoreUse(bool reset) {

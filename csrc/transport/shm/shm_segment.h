@@ -206,8 +206,8 @@ std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const To
                                             Members members, void* base, const Layout& layout,
                                             RingStores stores);
 // shm_shared_buffers.cpp: the segment's staging areas as SharedBuffers,
-// stores into them as `stores` says (measured per round of the two-step);
-// stagingStoreUse: what its rounds chose (`shared` is one it made).
+// stores into them as `stores` says; stagingStoreUse: what its choices were
+// (`shared` is one it made).
 std::unique_ptr<SharedBuffers> makeSharedBuffers(ControlPlane& plane, Segment& seg,
                                                  const Members& members, RingStores stores);
 std::vector<Transport::RingStoreUse::Row> stagingStoreUse(SharedBuffers& shared, bool reset);

@@ -46,23 +46,26 @@ class ShmSharedBuffers : public SharedBuffers {
   int groupRank(int local) const override { return members_.ranks[local]; }
   size_t stagingBytes() const override { return seg_.layout().stagingBytes; }
 
-  uint64_t beginRound(const OpInfo& op, size_t bytes, bool measured) override {
+  uint64_t beginRound(const OpInfo& op) override {
     announceOp(seg_, rank_, op);
     const uint64_t round = ++round_;
     awaitFlags(op, Flag::kStaged, round - 1, "finish its previous round");
-    // The stores: as the rings choose theirs (shm_transport.cpp), per round.
-    roundKind_ = static_cast<uint8_t>(op.kind);
-    roundBytes_ = bytes;
-    timed_ = measured && stores_ == RingStores::kMeasured && bytes >= kStreamingMinBytes;
-    streams_ = bytes >= kStreamingMinBytes &&
-               (stores_ == RingStores::kStreaming ||
-                (timed_ && chooser_.streaming(roundKind_, bytes)));
-    if (measured && bytes >= kStreamingMinBytes) {
-      std::lock_guard<std::mutex> lock(useMu_);
-      ++use_[{roundKind_, RingStoreChooser::log2Floor(bytes)}][streams_ ? 1 : 0];
-    }
-    if (timed_) roundStart_ = Clock::now();
     return round;
+  }
+
+  // As the rings choose theirs (shm_transport.cpp).
+  void chooseStores(const OpInfo& op, size_t bytes) override {
+    storesKind_ = static_cast<uint8_t>(op.kind);
+    storesBytes_ = bytes;
+    const bool large = bytes >= kStreamingMinBytes;
+    timed_ = large && stores_ == RingStores::kMeasured;
+    streams_ = large && (stores_ == RingStores::kStreaming ||
+                         (timed_ && chooser_.streaming(storesKind_, bytes)));
+    if (large) {
+      std::lock_guard<std::mutex> lock(useMu_);
+      ++use_[{storesKind_, RingStoreChooser::log2Floor(bytes)}][streams_ ? 1 : 0];
+    }
+    if (timed_) storesStart_ = Clock::now();
   }
 
   void stage(char* dst, const char* src, size_t n) override {
@@ -71,16 +74,17 @@ class ShmSharedBuffers : public SharedBuffers {
 
   bool streaming() const override { return streams_; }
 
-  void endRound() override {
-    if (!timed_) return;
-    timed_ = false;
-    const double us =
-        std::chrono::duration<double, std::micro>(Clock::now() - roundStart_).count() +
-        hooks().storePenaltyUs[streams_].load(std::memory_order_relaxed);
-    chooser_.record(roundKind_, roundBytes_, streams_, us);
+  void storesDone() override {
+    if (timed_) {
+      const double us =
+          std::chrono::duration<double, std::micro>(Clock::now() - storesStart_).count() +
+          hooks().storePenaltyUs[streams_].load(std::memory_order_relaxed);
+      chooser_.record(storesKind_, storesBytes_, streams_, us);
+    }
+    timed_ = streams_ = false;
   }
 
-  // The rounds that chose their stores, per (kind, floor(log2(round bytes))).
+  // The choices made, per (kind, floor(log2(bytes))).
   std::vector<Transport::RingStoreUse::Row> use(bool reset) {
     std::vector<Transport::RingStoreUse::Row> rows;
     std::lock_guard<std::mutex> lock(useMu_);
@@ -120,8 +124,8 @@ class ShmSharedBuffers : public SharedBuffers {
 
   void publishReduced(uint64_t round) override { publish(Flag::kReduced, round); }
 
-  void awaitReduced(const OpInfo& op, uint64_t round) override {
-    awaitFlags(op, Flag::kReduced, round, "reduce its slice");
+  void awaitReduced(const OpInfo& op, uint64_t round, const char* doing) override {
+    awaitFlags(op, Flag::kReduced, round, doing);
   }
 
  private:
@@ -234,12 +238,12 @@ class ShmSharedBuffers : public SharedBuffers {
   uint64_t round_ = 0;  // the last round this rank began (flags start at 0)
   const RingStores stores_;
   RingStoreChooser chooser_;
-  // The round begun last: its kind of op and bytes, its stores, whether (and
-  // since when) it is timed.
-  uint8_t roundKind_ = 0;
-  size_t roundBytes_ = 0;
+  // The stores chosen last (chooseStores): for which kind of op and bytes,
+  // whether they stream, whether (and since when) they are timed.
+  uint8_t storesKind_ = 0;
+  size_t storesBytes_ = 0;
   bool streams_ = false, timed_ = false;
-  Clock::time_point roundStart_;
+  Clock::time_point storesStart_;
   std::mutex useMu_;  // guards use_ (read from any thread)
   std::map<std::pair<uint8_t, int>, std::array<uint64_t, 2>> use_;
 };
