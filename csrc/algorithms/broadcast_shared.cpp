@@ -19,27 +19,18 @@ void broadcastShared(const Comm& c, SharedBuffers& shared, char* data, size_t by
   const bool isRoot = shared.rank() == rootLocal;
   const size_t chunk = shared.stagingBytes();
   const size_t rounds = sliceCount(bytes, chunk);  // one, empty, for 0 bytes
-  // The root's stores, chosen per op: its time runs until every reader has
-  // copied the last round out (each earlier round's reading gates a later
-  // round's start), so it covers the readers' side of the stores.
-  if (isRoot) shared.chooseStores(c.op, bytes);
-  uint64_t round = 0;
   for (size_t k = 0; k < rounds; ++k) {
     const Block b = sliceOf(bytes, chunk, k);
-    round = shared.beginRound(c.op);
+    // Plain stores (no chooseStores): the root, the only writer, returns
+    // before its readers have read, so its time would not cover them; waiting
+    // for them would serialise back-to-back broadcasts.
+    const uint64_t round = shared.beginRound(c.op);
     char* area = shared.staging(rootLocal, round);
-    if (isRoot && b.count > 0) shared.stage(area, data + b.offset, b.count);
+    if (isRoot && b.count > 0) std::memcpy(area, data + b.offset, b.count);
     shared.publishStaged(c.op, round, k, b.count);
     shared.awaitStaged(c.op, round, k, b.count);
     if (!isRoot && b.count > 0) std::memcpy(data + b.offset, area, b.count);
   }
-  // Every rank done: the root returns once the data is everywhere, as the
-  // chain broadcast's root does on its acknowledgement. Every rank waits, so
-  // none starts its next op (and sends on the rings, which a waiting rank
-  // would take for another algorithm) before every flag here is up.
-  shared.publishReduced(round);
-  shared.awaitReduced(c.op, round, "copy the broadcast out");
-  if (isRoot) shared.storesDone();
   // As the two-step counts: what peers read of this rank's data, and it of theirs.
   if (isRoot) {
     c.count((c.size - 1) * bytes, 0);

@@ -154,8 +154,8 @@ void bindBackend(py::module_& m) {
           "because the ranks do not fit the cores), '' without rings; 'ops': per kind of op "
           "and size class (the op's largest message in [size_class, 2 size_class) bytes, "
           "16 KiB and up) the ops that took 'plain' and 'streaming' stores; 'staging': the "
-          "same for the staging areas, by bytes: the two-step all-reduce's rounds and the "
-          "shared broadcast root's ops}")
+          "same for the two-step all-reduce's staging areas, counted in rounds, by the "
+          "round's bytes}")
       .def(
           "wait_policy",
           [](const ringreduce::Backend& b) {

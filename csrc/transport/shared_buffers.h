@@ -72,13 +72,10 @@ class SharedBuffers {
   // sends this rank a message meanwhile runs another algorithm: the same.
   virtual void awaitStaged(const OpInfo& op, uint64_t round, uint64_t step, size_t bytes) = 0;
 
-  // This rank wrote what the peers read back from its area in `round` (the
-  // shared broadcast: a reader is done reading the root's area).
+  // This rank wrote what the peers read back from its area in `round`.
   virtual void publishReduced(uint64_t round) = 0;
-  // Waits until every rank has published `round` reduced (what the peers
-  // should be doing is `doing`, for a timeout's message).
-  virtual void awaitReduced(const OpInfo& op, uint64_t round,
-                            const char* doing = "reduce its slice") = 0;
+  // Waits until every rank has published `round` reduced.
+  virtual void awaitReduced(const OpInfo& op, uint64_t round) = 0;
 };
 
 }  // namespace ringreduce

@@ -179,7 +179,7 @@ class Transport {
     std::string mode;
     std::vector<Row> rows;  // by kind, then size
     // The same for the staging areas (SharedBuffers::chooseStores), by the
-    // bytes each choice covered: a two-step round, a shared broadcast.
+    // bytes each choice covered: two-step rounds.
     std::vector<Row> staging;
   };
   virtual RingStoreUse ringStoreUse(bool reset) {

@@ -321,11 +321,11 @@ def cores_probe(ctx, groups):
 
 def _ring_stores(name, per_rank):
     """The ranks' ring stores summed per op and size class (ops), and their
-    staging stores (two-step rounds, shared broadcasts), and a line for the table
-    (None when nothing wrote a ring or staging area with 16 KiB or more)."""
+    two-step staging stores (rounds), and a line for the table (None when
+    nothing wrote a ring or staging area with 16 KiB or more)."""
     modes = sorted({r["mode"] for r in per_rank if r["mode"]})
     summary, parts = {"modes": modes}, []
-    for key, unit in (("ops", ""), ("staging", " staging")):
+    for key, unit in (("ops", ""), ("staging", " two-step rounds")):
         counts = {}
         for r in per_rank:
             for row in r.get(key, []):

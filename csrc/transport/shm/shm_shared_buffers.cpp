@@ -124,8 +124,8 @@ class ShmSharedBuffers : public SharedBuffers {
 
   void publishReduced(uint64_t round) override { publish(Flag::kReduced, round); }
 
-  void awaitReduced(const OpInfo& op, uint64_t round, const char* doing) override {
-    awaitFlags(op, Flag::kReduced, round, doing);
+  void awaitReduced(const OpInfo& op, uint64_t round) override {
+    awaitFlags(op, Flag::kReduced, round, "reduce its slice");
   }
 
  private:
