@@ -246,10 +246,12 @@ def test_leaving_with_an_unread_message_delivers_what_was_sent(worlds):
 
 
 def _where_receives_settle(ctx, ops):
-    """Remote: rank 0 posts a receive, tells rank 1 (a store key) and waits
-    for it; rank 1 sends once told. Rank 0 records the thread each receive's
-    Future callback ran on, and the data."""
+    """Remote: rank 0 posts a receive and waits for it; once the backend says the
+    wait has begun (_helping_waits_begun grew), a thread of rank 0 tells rank 1 (a
+    store key), which sends. Rank 0 records the thread each receive's Future
+    callback ran on, and the data."""
     import threading
+    import time
 
     store = ctx.new_store("settle")
     if ctx.rank == 1:
@@ -257,28 +259,42 @@ def _where_receives_settle(ctx, ops):
             store.wait([f"posted/{k}"])
             dist.send(torch.full((8,), float(k)), dst=0, tag=k)
         return None
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     here = threading.get_ident()
-    ran_on, values = [], []
+    ran_on, values, late = [], [], []
+
+    def tell_once_waiting(k, begun):
+        deadline = time.monotonic() + 30
+        while backend._helping_waits_begun() == begun and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        if backend._helping_waits_begun() == begun:
+            late.append(k)  # no wait began: let the receive complete anyway
+        store.set(f"posted/{k}", "1")
+
     for k in range(ops):
         t = torch.zeros(8)
         work = dist.irecv(t, src=1, tag=k)
         work.get_future().add_done_callback(lambda f: ran_on.append(threading.get_ident()))
-        store.set(f"posted/{k}", "1")
+        teller = threading.Thread(target=tell_once_waiting,
+                                  args=(k, backend._helping_waits_begun()))
+        teller.start()
         work.wait()
+        teller.join()
         values.append(t)
-    return [sum(r == here for r in ran_on), len(ran_on), values]
+    return [sum(r == here for r in ran_on), len(ran_on), values, late]
 
 
 def test_a_waited_receive_is_settled_on_the_waiting_thread(worlds):
     """The transport's thread completes a receive; the executor settles its
     Work on the thread blocked in wait() (a helping wait), so the Future's
     callbacks run there and the wait saves a hand-off to a worker. The
-    message leaves rank 1 only after rank 0 is about to wait, so nearly every
-    completion finds the wait in place (one missed is settled on a worker,
-    and the wait still returns)."""
+    message leaves rank 1 only once rank 0's wait has begun, so every
+    completion finds the wait in place."""
     ops = 40
-    on_waiter, callbacks, values = worlds.run(2, _where_receives_settle, ops, timeout=60)[0]
+    on_waiter, callbacks, values, late = worlds.run(2, _where_receives_settle, ops,
+                                                    timeout=60)[0]
     for k, v in enumerate(values):
         assert torch.equal(v, torch.full((8,), float(k))), k
+    assert late == [], f"no helping wait began for receives {late}"
     assert callbacks == ops
-    assert on_waiter >= ops // 2, f"{on_waiter} of {ops} settled on the waiting thread"
+    assert on_waiter == ops, f"{on_waiter} of {ops} settled on the waiting thread"

@@ -198,6 +198,8 @@ class Backend : public c10d::Backend {
   // payload bytes sent and received, and ops issued by torch.distributed name
   // (transport/traffic.h says what counts).
   const Traffic& traffic() const { return *traffic_; }
+  // Tests: helping waits for p2p Works begun (OpExecutor::helpingWaitsBegun).
+  uint64_t helpingWaitsBegun() const { return executor_.helpingWaitsBegun(); }
   // Zeroes the traffic counters and the wait summary (WaitPolicy::summary).
   void resetStats();
   uint64_t refusedCount() const;

@@ -508,6 +508,7 @@ void OpExecutor::settleWhenComplete(Work* work) {
     std::unique_lock<std::mutex> lock(mu_);
     if (work->p2pTaken) return;
     ++work->p2pWaiters;
+    helpingWaitsBegun_.fetch_add(1, std::memory_order_relaxed);
     // A worker blocks here from a callback: the completions meanwhile need
     // another.
     const bool worker = tWorkerInCallbacks;

@@ -157,6 +157,13 @@ class OpExecutor : private CallbackThreads::Client {
   // or none when it ran here (also when no thread could be had).
   static std::optional<std::thread> settleAside(Work& work, Settle settle, bool always = false);
 
+  // How many helping waits for p2p Works have begun (a thread in Work::wait()
+  // registered for its completion): tests wait for it to grow before the
+  // peer sends.
+  uint64_t helpingWaitsBegun() const {
+    return helpingWaitsBegun_.load(std::memory_order_relaxed);
+  }
+
  private:
   // Whether a thread may start the queue's front op now (with mu_): only once
   // every earlier Work has been settled, so Futures complete in issue order,
@@ -328,6 +335,7 @@ class OpExecutor : private CallbackThreads::Client {
   bool workerRunsOp_ = false;
   size_t helpingWorkers_ = 0;
   uint64_t completionsTaken_ = 0;
+  std::atomic<uint64_t> helpingWaitsBegun_{0};
   uint64_t completionsMark_ = 0;
   bool rescueCompletion_ = false;
   std::vector<std::thread> late_;

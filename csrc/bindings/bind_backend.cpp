@@ -70,6 +70,10 @@ void bindBackend(py::module_& m) {
           "This rank's traffic on this group since it was created or last reset: "
           "{'bytes_sent': int, 'bytes_received': int, 'ops': {dist op name: count}}. "
           "Payload bytes of completed transfers (message headers not counted).")
+      .def("_helping_waits_begun", &ringreduce::Backend::helpingWaitsBegun,
+           "Testing only: how many Work.wait() calls on this group's point-to-point Works "
+           "have begun a helping wait (the waiting thread takes the completion and settles "
+           "it), so a test can let the peer send only once rank 0 waits")
       .def(
           "_loop_allreduce",
           [](ringreduce::Backend& b, at::Tensor t, int64_t iters) {
