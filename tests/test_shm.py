@@ -308,6 +308,27 @@ def test_staging_stores_follow_the_measured_times(worlds, world_size, op):
             assert reported[slow] == want, f"rank {rank}, {slow} slow: {reported[slow]}"
 
 
+def test_the_cores_probe_measures_two_cpus_of_this_process():
+    """_C._probe_cores passes a cache line between threads pinned to two CPUs and
+    hands 1 MiB pieces over with both kinds of store: positive figures within what
+    a machine can do, the caller's own affinity untouched; a CPU outside the
+    process's affinity is an error, not a hang, and so is one CPU twice."""
+    from torch_ringreduce import _C
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    p = _C._probe_cores(cpus[0], cpus[1], piece_bytes=1 << 20, pieces=8, limit_s=60)
+    assert 1 < p["round_trip_ns"] < 1e6, p
+    assert 0.01 < p["plain_GBps"] < 1000 and 0.01 < p["streaming_GBps"] < 1000, p
+    assert sorted(os.sched_getaffinity(0)) == cpus
+    outside = max(cpus) + 1
+    with pytest.raises(RuntimeError, match=f"CPU {outside}"):
+        _C._probe_cores(cpus[0], outside)
+    with pytest.raises(ValueError, match="two different CPUs"):
+        _C._probe_cores(cpus[0], cpus[0])
+
+
 FOLD_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8,
                torch.complex128]
 FOLD_COUNTS = [1, 3, 1_023, 4_099, 16_411]

@@ -31,7 +31,13 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "transport/transport.h"
 
 namespace ringreduce {
 namespace shm {
@@ -108,6 +114,31 @@ class RingStoreChooser {
   }
 
   std::unordered_map<uint32_t, Entry> table_;
+};
+
+// What the choices were (Transport::ringStoreUse): how many took plain and
+// streaming stores, per kind of op and size class (floor of log2 of the
+// bytes chosen for). Counted on the op's thread, read from any.
+class StoreUse {
+ public:
+  void count(uint8_t kind, size_t bytes, bool streamed) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++counts_[{kind, RingStoreChooser::log2Floor(bytes)}][streamed ? 1 : 0];
+  }
+
+  std::vector<Transport::RingStoreUse::Row> rows(bool reset) {
+    std::vector<Transport::RingStoreUse::Row> out;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [key, n] : counts_) {
+      out.push_back({static_cast<OpKind>(key.first), size_t{1} << key.second, n[0], n[1]});
+    }
+    if (reset) counts_.clear();
+    return out;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<uint8_t, int>, std::array<uint64_t, 2>> counts_;
 };
 
 }  // namespace shm

@@ -206,11 +206,12 @@ std::unique_ptr<Transport> makeShmTransport(Mesh& mesh, Transport& p2p, const To
                                             Members members, void* base, const Layout& layout,
                                             RingStores stores);
 // shm_shared_buffers.cpp: the segment's staging areas as SharedBuffers,
-// stores into them as `stores` says; stagingStoreUse: what its choices were
-// (`shared` is one it made).
+// stores into them as `stores` says, its choices counted in `use`
+// (ring_stores.h; it outlives them).
+class StoreUse;
 std::unique_ptr<SharedBuffers> makeSharedBuffers(ControlPlane& plane, Segment& seg,
-                                                 const Members& members, RingStores stores);
-std::vector<Transport::RingStoreUse::Row> stagingStoreUse(SharedBuffers& shared, bool reset);
+                                                 const Members& members, RingStores stores,
+                                                 StoreUse& use);
 
 }  // namespace shm
 }  // namespace ringreduce

@@ -18,11 +18,8 @@
 // and already sent its next one's message is never mistaken for it: it could
 // only have finished once every flag this rank waits for was up.
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <thread>
 
 #include "transport/shm/ring_stores.h"
@@ -37,9 +34,10 @@ enum class Flag { kStaged, kReduced };
 
 class ShmSharedBuffers : public SharedBuffers {
  public:
-  ShmSharedBuffers(ControlPlane& plane, Segment& seg, const Members& members, RingStores stores)
+  ShmSharedBuffers(ControlPlane& plane, Segment& seg, const Members& members, RingStores stores,
+                   StoreUse& use)
       : plane_(plane), seg_(seg), members_(members), rank_(members.me), size_(members.size()),
-        stores_(stores) {}
+        stores_(stores), use_(use) {}
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -61,10 +59,7 @@ class ShmSharedBuffers : public SharedBuffers {
     timed_ = large && stores_ == RingStores::kMeasured;
     streams_ = large && (stores_ == RingStores::kStreaming ||
                          (timed_ && chooser_.streaming(storesKind_, bytes)));
-    if (large) {
-      std::lock_guard<std::mutex> lock(useMu_);
-      ++use_[{storesKind_, RingStoreChooser::log2Floor(bytes)}][streams_ ? 1 : 0];
-    }
+    if (large) use_.count(storesKind_, bytes, streams_);
     if (timed_) storesStart_ = Clock::now();
   }
 
@@ -82,18 +77,6 @@ class ShmSharedBuffers : public SharedBuffers {
       chooser_.record(storesKind_, storesBytes_, streams_, us);
     }
     timed_ = streams_ = false;
-  }
-
-  // The choices made, per (kind, floor(log2(bytes))).
-  std::vector<Transport::RingStoreUse::Row> use(bool reset) {
-    std::vector<Transport::RingStoreUse::Row> rows;
-    std::lock_guard<std::mutex> lock(useMu_);
-    for (const auto& [key, counts] : use_) {
-      rows.push_back({static_cast<OpKind>(key.first), size_t{1} << key.second, counts[0],
-                      counts[1]});
-    }
-    if (reset) use_.clear();
-    return rows;
   }
 
   char* staging(int rank, uint64_t round) override {
@@ -238,25 +221,21 @@ class ShmSharedBuffers : public SharedBuffers {
   uint64_t round_ = 0;  // the last round this rank began (flags start at 0)
   const RingStores stores_;
   RingStoreChooser chooser_;
+  StoreUse& use_;  // the transport's count of the choices
   // The stores chosen last (chooseStores): for which kind of op and bytes,
   // whether they stream, whether (and since when) they are timed.
   uint8_t storesKind_ = 0;
   size_t storesBytes_ = 0;
   bool streams_ = false, timed_ = false;
   Clock::time_point storesStart_;
-  std::mutex useMu_;  // guards use_ (read from any thread)
-  std::map<std::pair<uint8_t, int>, std::array<uint64_t, 2>> use_;
 };
 
 }  // namespace
 
 std::unique_ptr<SharedBuffers> makeSharedBuffers(ControlPlane& plane, Segment& seg,
-                                                 const Members& members, RingStores stores) {
-  return std::make_unique<ShmSharedBuffers>(plane, seg, members, stores);
-}
-
-std::vector<Transport::RingStoreUse::Row> stagingStoreUse(SharedBuffers& shared, bool reset) {
-  return static_cast<ShmSharedBuffers&>(shared).use(reset);
+                                                 const Members& members, RingStores stores,
+                                                 StoreUse& use) {
+  return std::make_unique<ShmSharedBuffers>(plane, seg, members, stores, use);
 }
 
 }  // namespace shm

@@ -5,10 +5,8 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <thread>
 
@@ -29,7 +27,7 @@ class ShmTransport : public Transport {
       : mesh_(mesh), p2p_(p2p), topology_(topology), members_(std::move(members)),
         rank_(members_.me), size_(layout.size), base_(base), seg_(base, layout),
         ringBytes_(layout.ringBytes), stores_(stores) {
-    shared_ = makeSharedBuffers(mesh_, seg_, members_, stores_);
+    shared_ = makeSharedBuffers(mesh_, seg_, members_, stores_, stagingUse_);
     // A failing op raises the flag before the mesh looks up and publishes
     // the error (about a second at worst), so no peer confirms it meanwhile.
     mesh_.setAbandonHook([this](const OpInfo& op) {
@@ -103,13 +101,8 @@ class ShmTransport : public Transport {
     out.mode = stores_ == RingStores::kPlain       ? "plain"
                : stores_ == RingStores::kStreaming ? "streaming"
                                                    : "measured";
-    std::lock_guard<std::mutex> lock(useMu_);
-    for (const auto& [key, counts] : use_) {
-      out.rows.push_back({static_cast<OpKind>(key.first), size_t{1} << key.second, counts[0],
-                          counts[1]});
-    }
-    if (reset) use_.clear();
-    out.staging = stagingStoreUse(*shared_, reset);
+    out.rows = ringUse_.rows(reset);
+    out.staging = stagingUse_.rows(reset);
     return out;
   }
 
@@ -136,8 +129,7 @@ class ShmTransport : public Transport {
     timed_ = stores_ == RingStores::kMeasured;
     opStreams_ = stores_ == RingStores::kStreaming ||
                  (timed_ && chooser_.streaming(opKind_, largest));
-    std::lock_guard<std::mutex> lock(useMu_);
-    ++use_[{opKind_, RingStoreChooser::log2Floor(largest)}][opStreams_ ? 1 : 0];
+    ringUse_.count(opKind_, largest, opStreams_);
   }
 
   // Copies as much of the message as the ring to s.peer has room for.
@@ -256,11 +248,10 @@ class ShmTransport : public Transport {
   bool opChosen_ = false, opStreams_ = false, timed_ = false;  // timed_: its time goes to chooser_
   uint8_t opKind_ = 0;
   size_t opBytes_ = 0;
+  // What the ops chose for their rings (by their largest message) and the
+  // staging areas' choices (shared_ counts them): ringStoreUse.
+  StoreUse ringUse_, stagingUse_;
   std::unique_ptr<SharedBuffers> shared_;
-  // The ops that chose their stores, per (kind, floor(log2(largest message)))
-  // (ringStoreUse); useMu_ guards use_ (read from any thread).
-  std::mutex useMu_;
-  std::map<std::pair<uint8_t, int>, std::array<uint64_t, 2>> use_;
   // exchange()'s progress records, reused (no allocation per exchange): one
   // exchange at a time runs on a transport (its op's thread).
   std::vector<SendState> sendProgress_;
