@@ -100,3 +100,97 @@ def test_the_cores_probe_of_a_launch():
         ", cores 0-1: 812 ns round trip, 1.2 / 6.5 GB/s plain / streaming")
     assert bench_launches._cores({"cpus": [0, 1], "error": "no CPU 1"}) == ""
     assert bench_launches._cores(None) == ""
+
+
+def _launch(times, floor=None, inplace=None):
+    """A launch's document: all-reduce rows {(backend, size): time_us}, with
+    over_floor_us and busbw_per_inplace_all where given ({backend: value})."""
+    rows = []
+    for (backend, size), t in times.items():
+        row = {"op": "allreduce", "backend": backend, "size_bytes": size, "time_us": t}
+        if floor and size == min(s for _, s in times) and backend in floor:
+            row["over_floor_us"] = floor[backend]
+        if inplace and size == max(s for _, s in times) and backend in inplace:
+            row["busbw_per_inplace_all"] = inplace[backend]
+        rows.append(row)
+    return {"rows": rows}
+
+
+def test_floor_and_in_place_pass_over_launches(capsys):
+    """The summary carries each launch's time over the floor and busbw / in-place
+    pass (None where a launch lacks it) with their min / median / max, and the
+    table prints them per backend under the op's rows."""
+    docs = [_launch({("ringreduce", 4096): 20.0, ("gloo", 4096): 100.0,
+                     ("ringreduce", 65536): 50.0, ("gloo", 65536): 400.0},
+                    floor={"ringreduce": 4.0, "gloo": 80.0},
+                    inplace={"ringreduce": 0.40, "gloo": 0.05}),
+            _launch({("ringreduce", 4096): 30.0, ("gloo", 4096): 110.0,
+                     ("ringreduce", 65536): 60.0, ("gloo", 65536): 420.0},
+                    floor={"ringreduce": -1.5, "gloo": 90.0},
+                    inplace={"ringreduce": 0.30}),  # gloo's in-place ratio missing here
+            _launch({("ringreduce", 4096): 25.0, ("gloo", 4096): 105.0,
+                     ("ringreduce", 65536): 55.0, ("gloo", 65536): 410.0},
+                    floor={"ringreduce": 9.0, "gloo": 85.0},
+                    inplace={"ringreduce": 0.35, "gloo": 0.07})]
+    rows = {(r["backend"], r["size_bytes"]): r for r in bench_launches.summarize(docs)}
+    small, large = rows[("ringreduce", 4096)], rows[("ringreduce", 65536)]
+    assert small["over_floor_us_by_launch"] == [4.0, -1.5, 9.0]
+    assert (small["over_floor_us_min"], small["over_floor_us_median"],
+            small["over_floor_us_max"]) == (-1.5, 4.0, 9.0)
+    assert "busbw_per_inplace_all_by_launch" not in small  # not measured at that size
+    assert "over_floor_us_by_launch" not in large
+    assert large["busbw_per_inplace_all_by_launch"] == [0.40, 0.30, 0.35]
+    gloo = rows[("gloo", 65536)]
+    assert gloo["busbw_per_inplace_all_by_launch"] == [0.05, None, 0.07]
+    assert (gloo["busbw_per_inplace_all_min"], gloo["busbw_per_inplace_all_median"],
+            gloo["busbw_per_inplace_all_max"]) == (0.05, pytest.approx(0.06), 0.07)
+
+    bench_launches.print_table(list(rows.values()), docs)
+    out = capsys.readouterr().out
+    assert ("# ringreduce over the one-rank floor (us) at 4096 B, min / median / max of "
+            "3 launches: -1.5 / +4.0 / +9.0") in out
+    assert ("# ringreduce busbw / in-place pass of all ranks at 65536 B, min / median / max "
+            "of 3 launches: 0.30 / 0.35 / 0.40") in out
+    assert ("# gloo busbw / in-place pass of all ranks at 65536 B, min / median / max of "
+            "2 launches: 0.05 / 0.06 / 0.07") in out
+    # Under the op's table, before ringreduce's slow launches.
+    assert out.index("over the one-rank floor") < out.index("launches over 1.5x")
+
+
+def test_the_json_names_this_scripts_command():
+    """The summary's environment is the first launch's under bench_launches' own
+    command line, without the launches' launcher (mpirun runs a launch, not it)."""
+    docs = [{"environment": {"argv": ["-m", "torch_ringreduce.bench", "--nproc", "2"],
+                             "launcher": "mpirun", "launcher_argv": None, "cpu_model": "X",
+                             "date": "2030-01-02T03:04:05+00:00"}, "rows": []}]
+    given = ["--launches", "2", "--json", "out.json", "--", "--nproc", "2"]
+    env = bench_launches.environment(docs, given)
+    assert env["argv"] == ["-m", "scripts.benchmarks.bench_launches", *given]
+    assert env["launcher"] is None and env["cpu_model"] == "X"
+    assert docs[0]["environment"]["argv"][1] == "torch_ringreduce.bench"  # left as it was
+
+
+@pytest.mark.parametrize("mpi", [True, False])
+def test_make_report_runs_the_launches(monkeypatch, mpi):
+    """make_report's step "launches": 12 fresh launches of the all-reduce against Open
+    MPI (only where it can run) and gloo, with the floor and the in-place pass; --quick
+    2 launches of tiny sizes."""
+    from scripts.tools import make_report
+    monkeypatch.setattr(make_report, "mpi_available", lambda: mpi)
+    backends = ["ringreduce", "mpi", "gloo"] if mpi else ["ringreduce", "gloo"]
+    args = make_report.parse_args(["--results", "/r", "--only", "launches"])
+    (step, _, argv), = make_report.commands(args)
+    assert step == "launches" and make_report.STEPS.index("launches") == 1
+    at = argv.index("--")
+    assert argv[1:at] == ["-m", "scripts.benchmarks.bench_launches", "--launches", "12",
+                          "--json", "/r/launches_np2.json"]
+    assert argv[at + 1:] == ["--nproc", "2", "--backends", *backends, "--ops", "allreduce",
+                             "-b", "4K", "-e", "64M", "-f", "4", "--repeats", "5", "--memcpy",
+                             "--floor"]
+    bench_launches.parse_args(argv[3:])  # bench_launches takes it (--json before --)
+    quick = make_report.commands(make_report.parse_args(["--results", "/r", "--quick"]))
+    (argv,) = [a for s, _, a in quick if s == "launches"]
+    assert argv[argv.index("--launches") + 1] == "2"
+    assert argv[argv.index("--") + 1:] == [
+        "--nproc", "2", "--backends", *backends, "--ops", "allreduce", "-b", "4K", "-e", "64K",
+        "--repeats", "1", "--target-time", "0.01", "--memcpy", "--floor"]

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from scripts.benchmarks import bench_launches
 from scripts.tools import render_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +54,35 @@ def _course():
                      "dtype": "float32", "device": "cpu"}, "rows": rows}
 
 
+def _launches():
+    """Three launches of ringreduce and gloo at two sizes, with the floor (the smallest
+    size) and the in-place pass; the summary as bench_launches.summarize writes it."""
+    times = {("ringreduce", 4096): [20.0, 22.0, 40.0], ("gloo", 4096): [100.0, 110.0, 120.0],
+             ("ringreduce", 1 << 20): [90.0, 100.0, 95.0],
+             ("gloo", 1 << 20): [1500.0, 1700.0, 1600.0]}
+    floor = {"ringreduce": [3.5, 4.0, 12.0], "gloo": [80.0, 85.0, 95.0]}
+    inplace = {"ringreduce": [0.41, 0.45, 0.43], "gloo": [0.02, 0.03, 0.025]}
+    launches = []
+    for i in range(3):
+        rows = []
+        for (b, size), ts in times.items():
+            row = _collective_row("allreduce", b, size, ts[i], 1.0)
+            if size == 4096:
+                row["over_floor_us"] = floor[b][i]
+            else:
+                row["busbw_per_inplace_all"] = inplace[b][i]
+            rows.append(row)
+        backends = ["ringreduce", "gloo"] if i % 2 == 0 else ["gloo", "ringreduce"]
+        launches.append({"environment": _env(launcher="mpirun"), "rows": rows,
+                         "args": {"backends": backends, "repeats": 5, "dtype": "float32",
+                                  "device": "cpu"}})
+    given = ["--launches", "3", "--json", os.path.join(ROOT, "results", "launches_np2.json"),
+             "--", "--nproc", "2", "--backends", "ringreduce", "gloo", "--floor", "--memcpy"]
+    return {"bench_args": given[given.index("--") + 1:],
+            "environment": bench_launches.environment(launches, given),
+            "launches": launches, "summary": bench_launches.summarize(launches)}
+
+
 def _training():
     """An older file: no recorded argv, so the command is rebuilt from its args."""
     env = {k: v for k, v in _env().items() if k not in ("argv", "cpu_model")}
@@ -74,6 +104,7 @@ def page(tmp_path):
     folder.mkdir()
     for name, doc in (("bench_collectives_np2.json", _collectives()),
                       ("course_table_cpu.json", _course()),
+                      ("launches_np2.json", _launches()),
                       ("train_ours_np2.json", _training())):
         (folder / name).write_text(json.dumps(doc))
     (folder / "broken.json").write_text("{not json")
@@ -139,6 +170,25 @@ def test_commands_of_modules_and_of_files_from_before_the_package():
             "-m scripts.training.ddp_cifar100 --epochs 3"), script
 
 
+def test_launches_spread_floor_and_in_place_pass(page):
+    """Per size the min / median / max over launches, max/median, ours over gloo
+    (medians); the floor and in-place pass over launches; the slow launch with gloo's
+    time in it; and the command that reproduces the table, not a launch's."""
+    text = _section(page, "Spread over fresh launches")
+    assert "| 4 KiB | 20.0 / 22.0 / 40.0 | 100 / 110 / 120 | 1.82 | 1.09 | 0.20 |" in text
+    assert "| 1 MiB | 90.0 / 95.0 / 100 | 1,500 / 1,600 / 1,700 | 1.05 | 1.06 | 0.06 |" in text
+    assert "| over the one-rank floor (µs) at 4 KiB | 3.50 / 4.00 / 12.0 | 80.0 / 85.0 / 95.0 |" \
+        in text
+    assert "| busbw / in-place pass at 1 MiB | 0.410 / 0.430 / 0.450 | " \
+           "0.0200 / 0.0250 / 0.0300 |" in text
+    assert "4096 B launch 2 1.82x (gloo 1.09x)" in text
+    assert "python -m scripts.benchmarks.bench_launches --launches 3 --json " \
+           "results/launches_np2.json -- --nproc 2 --backends ringreduce gloo" in text
+    assert "mpirun" not in text  # the launches' launcher is not this command's
+    assert "3 launches of `python -m torch_ringreduce.bench`, 5 repeat(s) per row" in text
+    assert "**Date:** 2030-01-02 03:04 UTC" in text
+
+
 def test_course_table_rows_and_skips(page):
     text = _section(page, "The course table")
     assert "| 2 | 1 MiB | 1.60 | 1.90 | 0.84 | 0 |" in text
@@ -159,7 +209,7 @@ def test_missing_kinds_say_not_run(page):
                   "Training paradigms"):
         assert "**Not run**" in _section(page, title), title
     assert "**not run**" in page  # the summary table
-    assert "Rendered from 3 JSON file(s)" in page  # the broken file is skipped
+    assert "Rendered from 4 JSON file(s)" in page  # the broken file is skipped
 
 
 def test_empty_folder_renders_every_kind_as_not_run(tmp_path):

@@ -19,8 +19,12 @@ stores: plain far below streaming means the cores sat far apart on the host,
 where every copy between them is slow), and each of its launches over SLOW x
 its median with what the other backends took in that same launch over their
 own medians (a slow launch shared by every stack is the machine's, not the
-backend's).
---json writes every launch's rows and the summary.
+backend's). With the benchmark's --floor and --memcpy, per backend also the min /
+median / max over launches of the time over the one-rank floor at the smallest
+size and of busbw / in-place pass at the largest.
+--json writes every launch's rows and the summary, with the first launch's
+environment under this script's command (what scripts/tools/render_results.py
+shows).
 """
 import argparse
 import json
@@ -84,17 +88,62 @@ def spread(docs):
     return times
 
 
+# Row keys some launches carry: --floor's (the smallest all-reduce rows) and --memcpy's.
+MEASURED = ("over_floor_us", "busbw_per_inplace_all")
+
+
+def by_launch(docs, key):
+    """{(op, backend, size): [row[key] of each launch, None where it lacks it]}, for
+    the rows where some launch has `key`."""
+    out = {}
+    for i, doc in enumerate(docs):
+        for row in doc["rows"]:
+            if row.get(key) is not None:
+                values = out.setdefault((row["op"], row["backend"], row["size_bytes"]),
+                                        [None] * len(docs))
+                values[i] = row[key]
+    return out
+
+
 def summarize(docs):
     times = spread(docs)
+    measured = {key: by_launch(docs, key) for key in MEASURED}
     out = []
     for (op, backend, size), ts in sorted(times.items()):
         med = statistics.median(ts)
         slowest = max(range(len(ts)), key=ts.__getitem__)
-        out.append({"op": op, "backend": backend, "size_bytes": size, "launches": len(ts),
-                    "min_us": min(ts), "median_us": med, "max_us": max(ts),
-                    "max_over_median": max(ts) / med if med else None,
-                    "slowest_launch": slowest, "time_us_by_launch": ts})
+        row = {"op": op, "backend": backend, "size_bytes": size, "launches": len(ts),
+               "min_us": min(ts), "median_us": med, "max_us": max(ts),
+               "max_over_median": max(ts) / med if med else None,
+               "slowest_launch": slowest, "time_us_by_launch": ts}
+        for key in MEASURED:
+            values = measured[key].get((op, backend, size))
+            if values:
+                have = [v for v in values if v is not None]
+                row.update({f"{key}_by_launch": values, f"{key}_min": min(have),
+                            f"{key}_median": statistics.median(have), f"{key}_max": max(have)})
+        out.append(row)
     return out
+
+
+def reference_lines(rows, backend):
+    """Per backend: the min / median / max over launches of the time over the one-rank
+    floor at the smallest size that has it, and of busbw / in-place pass at the
+    largest; lines only for what the launches measured."""
+    mine = [r for r in rows if r["backend"] == backend]
+    lines = []
+    for key, pick, what, fmt in (
+            ("over_floor_us", min, "over the one-rank floor (us)", "+.1f"),
+            ("busbw_per_inplace_all", max, "busbw / in-place pass of all ranks", ".2f")):
+        have = [r for r in mine if f"{key}_by_launch" in r]
+        if not have:
+            continue
+        r = pick(have, key=lambda x: x["size_bytes"])
+        count = sum(v is not None for v in r[f"{key}_by_launch"])
+        lines.append(f"# {backend} {what} at {r['size_bytes']} B, min / median / max of "
+                     f"{count} launches: " + " / ".join(
+                         format(r[f"{key}_{s}"], fmt) for s in ("min", "median", "max")))
+    return lines
 
 
 def print_table(rows, docs):
@@ -113,6 +162,9 @@ def print_table(rows, docs):
                              f"{r['min_us']:>9.1f} /{r['median_us']:>9.1f} /{r['max_us']:>9.1f}"
                              f" {r['max_over_median']:>4.2f}x")
             print(f"  {size:>10}  " + "  ".join(cells))
+        for b in backends:
+            for line in reference_lines(mine, b):
+                print(line)
         for b in backends:
             if not b.startswith("ringreduce"):
                 continue
@@ -181,7 +233,18 @@ def _cores(probe):
             f"plain / streaming")
 
 
+def environment(docs, argv):
+    """The first launch's environment under this script's command (`argv`: its
+    arguments), the command that reproduces the summary. The launches' own
+    launcher (spawn, mpirun) is not this script's: each launch keeps its own."""
+    env = dict(docs[0].get("environment") or {})
+    env.update(argv=["-m", "scripts.benchmarks.bench_launches", *argv], launcher=None,
+               launcher_argv=None)
+    return env
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     docs = []
     with tempfile.TemporaryDirectory(prefix="bench_launches_") as tmp:
@@ -195,8 +258,8 @@ def main(argv=None):
     print_table(rows, docs)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bench_args": args.bench, "launches": docs, "summary": rows}, f, indent=1,
-                      default=str)
+            json.dump({"bench_args": args.bench, "environment": environment(docs, argv),
+                       "launches": docs, "summary": rows}, f, indent=1, default=str)
         print(f"# results written to {args.json}")
     return 0
 

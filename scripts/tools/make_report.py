@@ -1,7 +1,7 @@
 """Every benchmark and training comparison into results/, then the notebooks, in place,
 and the docs' results page (docs/performance/results.md) from the same JSON.
 
-    python -m scripts.tools.make_report              # the full report (about 15 min on 2 cores)
+    python -m scripts.tools.make_report              # the full report (about 18 min on 2 cores)
     python -m scripts.tools.make_report --quick      # tiny sizes: checks the pipeline in ~2 min
     python -m scripts.tools.make_report --only train notebooks --train-size 0  # all of CIFAR-100
     python -m scripts.tools.make_report --device cuda --nproc 2                # NCCL comparisons
@@ -9,6 +9,9 @@ and the docs' results page (docs/performance/results.md) from the same JSON.
 Steps (--only picks some):
   bench      python -m torch_ringreduce.bench, 2 and 4 ranks, every collective, 4K..64M
              -> results/bench_collectives_np{2,4}.json
+  launches   scripts/benchmarks/bench_launches.py: the all-reduce, 2 ranks, 4K..64M, as 12 fresh
+             launches, against Open MPI (when mpi4py and mpirun are there) and gloo, with the
+             one-rank floor and the in-place pass -> results/launches_np2.json
   syncbn     scripts/benchmarks/bench_syncbn.py -> results/bench_syncbn_<device>.json
   course     python -m torch_ringreduce.bench --course-table: all-reduce time, backend x workers
              {2, 4, 6} x {1M, 10M, 100M, 1000M} -> results/course_table_<device>.json
@@ -41,16 +44,18 @@ Data: CIFAR-100 from --data-dir when it is there, else the SYNTHETIC stand-in.
 A failing step is reported and the others still run; the exit status is 1 then.
 """
 import argparse
+import importlib.util
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = ["-m", "torch_ringreduce.bench"]
-STEPS = ["bench", "course", "syncbn", "study", "variants", "paradigms", "train", "notebooks",
-         "tables"]
+STEPS = ["bench", "launches", "course", "syncbn", "study", "variants", "paradigms", "train",
+         "notebooks", "tables"]
 CPU_RUNS = {
     "ours": ["--backend", "ringreduce", "--ddp", "ours", "--sync-bn", "ours"],
     "torch-ddp": ["--backend", "ringreduce", "--ddp", "torch", "--sync-bn", "ours"],
@@ -80,6 +85,7 @@ def commands(args):
         cmds.append(("bench", f"collectives np{n}", [
             py, *BENCH, "--nproc", str(n), "--backends", *backends,
             "--device", args.device, *sweep, "--json", f"{out}/bench_collectives_np{n}.json"]))
+    cmds.append(launches_command(args))
     course = ["--workers", "2", "--sizes", "4K", "64K", "--repeats", "2", "--warmup", "1"] \
         if quick else []
     cmds.append(("course", "course table", [
@@ -121,6 +127,25 @@ def commands(args):
     cmds.append(("tables", "results page", [py, "-m", "scripts.tools.render_results",
                                             "--results", out, *page]))
     return [c for c in cmds if c[0] in args.only]
+
+
+def mpi_available():
+    """Whether the benchmark's mpi backend can run: mpi4py importable, mpirun on PATH."""
+    return importlib.util.find_spec("mpi4py") is not None and shutil.which("mpirun") is not None
+
+
+def launches_command(args):
+    """The all-reduce as fresh launches (bench_launches.py), against Open MPI when it is
+    installed and gloo, with the floor and the in-place pass."""
+    backends = ["ringreduce", "mpi", "gloo"] if mpi_available() else ["ringreduce", "gloo"]
+    if args.quick:
+        count, sweep = "2", ["-b", "4K", "-e", "64K", "--repeats", "1", "--target-time", "0.01"]
+    else:
+        count, sweep = "12", ["-b", "4K", "-e", "64M", "-f", "4", "--repeats", "5"]
+    return ("launches", "fresh launches np2", [
+        sys.executable, "-m", "scripts.benchmarks.bench_launches", "--launches", count,
+        "--json", f"{args.results}/launches_np2.json", "--", "--nproc", "2",
+        "--backends", *backends, "--ops", "allreduce", *sweep, "--memcpy", "--floor"])
 
 
 def train_flags(args):

@@ -18,6 +18,8 @@ import shlex
 import statistics
 import sys
 
+from scripts.benchmarks import bench_launches
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_RESULTS = os.path.join(ROOT, "results")
 DEFAULT_OUTPUT = os.path.join(ROOT, "docs", "performance", "results.md")
@@ -321,6 +323,88 @@ def _references(refs, by, backends, largest):
     return ["References: " + "; ".join(parts) + ".", ""] if parts else []
 
 
+def is_launches(d):
+    return isinstance(d.get("launches"), list) and isinstance(d.get("summary"), list)
+
+
+def render_launches(docs):
+    out = ["The collective benchmark run many times, each launch a fresh set of processes "
+           "(every other one with the backends in the other order), a launch's row the median "
+           "of its repeats, and over the launches the min / median / max of those rows and "
+           "the slowest launch over the median (max/median): a slow mode that lasts a whole "
+           "process shows here, where the repeats inside one launch all share it "
+           "([Method](method.md#side-by-side-as-ratios)).", ""]
+    for d in docs:
+        rows, first = d["summary"], (d["launches"] or [{}])[0]
+        a = first.get("args") or {}
+        backends = a.get("backends") or list(dict.fromkeys(r["backend"] for r in rows))
+        out += [f"### {d['_env'].get('world_size')} ranks, {', '.join(backends)} "
+                f"(`{d['_file']}`)", ""]
+        out += setup([d], "scripts.benchmarks.bench_launches",
+                     f"{len(d['launches'])} launches of `python -m torch_ringreduce.bench`, "
+                     f"{a.get('repeats')} repeat(s) per row, {a.get('dtype')}, {a.get('device')}")
+        for op in dict.fromkeys(r["op"] for r in rows):
+            mine = [r for r in rows if r["op"] == op]
+            out += [f"**{op}**, time per call (µs) over launches:", ""]
+            out += _launch_times(mine, backends)
+            out += _launch_references(mine, backends)
+            out += _launch_slow(rows, op, backends)
+    return out
+
+
+def _launch_times(rows, backends):
+    """Per size: min / median / max per backend, max/median per backend, ours over
+    each other backend (median / median)."""
+    by = {(r["backend"], r["size_bytes"]): r for r in rows}
+    ours = next((b for b in backends if b.startswith("ringreduce")), None)
+    others = [b for b in backends if ours and b != ours]
+    body = []
+    for s in sorted({r["size_bytes"] for r in rows}):
+        cells = [by.get((b, s)) or {} for b in backends]
+        mid = {b: c.get("median_us") for b, c in zip(backends, cells)}
+        body.append([size_label(s),
+                     *(" / ".join(num(c.get(k)) for k in ("min_us", "median_us", "max_us"))
+                       if c else "n/a" for c in cells),
+                     *(ratio(c.get("max_us"), c.get("median_us")) for c in cells),
+                     *(ratio(mid[ours], mid[o]) for o in others)])
+    return table(["size", *(f"{b} min / median / max" for b in backends),
+                  *(f"{b} max/median" for b in backends),
+                  *(f"{ours} / {o} (medians)" for o in others)], body)
+
+
+def _launch_references(rows, backends):
+    """Per launch, min / median / max: the time over the one-rank floor at the
+    smallest size, busbw / in-place pass at the largest; what the launches measured."""
+    body = []
+    for key, pick, what in (("over_floor_us", min, "over the one-rank floor (µs)"),
+                            ("busbw_per_inplace_all", max, "busbw / in-place pass")):
+        have = [r for r in rows if f"{key}_by_launch" in r]
+        if not have:
+            continue
+        size = pick(r["size_bytes"] for r in have)
+        by = {r["backend"]: r for r in have if r["size_bytes"] == size}
+        body.append([f"{what} at {size_label(size)}",
+                     *(" / ".join(num(by[b][f"{key}_{s}"]) for s in ("min", "median", "max"))
+                       if b in by else "n/a" for b in backends)])
+    if not body:
+        return []
+    return ["Each launch's reference figures, min / median / max over the launches:",
+            ""] + table(["", *backends], body)
+
+
+def _launch_slow(rows, op, backends):
+    """Our launches over bench_launches.SLOW x their row's median, with the other
+    backends in the same launch over their own medians."""
+    out = []
+    for b in backends:
+        if b.startswith("ringreduce"):
+            slow = bench_launches.shared_slow_launches(rows, op, b)
+            out += [f"{b}'s launches over {bench_launches.SLOW:g}x their row's median "
+                    "(numbered from 0; the others in the same launch over theirs): "
+                    + ("; ".join(slow) if slow else "none") + ".", ""]
+    return out
+
+
 def is_course(d):
     return d.get("mode") == "course_table" and d.get("rows")
 
@@ -598,6 +682,9 @@ def render_train_backends(docs):
 KINDS = [
     ("collectives", "Every collective against gloo", is_collectives, render_collectives, "bench",
      "python -m torch_ringreduce.bench --nproc 2 --json results/bench_collectives_np2.json"),
+    ("launches", "Spread over fresh launches", is_launches, render_launches, "launches",
+     "python -m scripts.benchmarks.bench_launches --launches 12 --json "
+     "results/launches_np2.json -- --nproc 2 --ops allreduce --floor --memcpy"),
     ("course", "The course table", is_course, render_course, "course",
      "python -m torch_ringreduce.bench --course-table --json results/course_table_cpu.json"),
     ("syncbn", "SyncBatchNorm", is_syncbn, render_syncbn, "syncbn",
