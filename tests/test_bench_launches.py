@@ -173,24 +173,53 @@ def test_the_json_names_this_scripts_command():
 @pytest.mark.parametrize("mpi", [True, False])
 def test_make_report_runs_the_launches(monkeypatch, mpi):
     """make_report's step "launches": 12 fresh launches of the all-reduce against Open
-    MPI (only where it can run) and gloo, with the floor and the in-place pass; --quick
-    2 launches of tiny sizes."""
+    MPI (only where it can run) and gloo, with the floor and the in-place pass, then 6
+    of the all-reduce and broadcast against gloo with the cores busy; --quick 2 launches
+    of tiny sizes each."""
     from scripts.tools import make_report
     monkeypatch.setattr(make_report, "mpi_available", lambda: mpi)
     backends = ["ringreduce", "mpi", "gloo"] if mpi else ["ringreduce", "gloo"]
     args = make_report.parse_args(["--results", "/r", "--only", "launches"])
-    (step, _, argv), = make_report.commands(args)
-    assert step == "launches" and make_report.STEPS.index("launches") == 1
-    at = argv.index("--")
-    assert argv[1:at] == ["-m", "scripts.benchmarks.bench_launches", "--launches", "12",
+    (step, _, idle), (step2, _, busy) = make_report.commands(args)
+    assert step == step2 == "launches" and make_report.STEPS.index("launches") == 1
+    at = idle.index("--")
+    assert idle[1:at] == ["-m", "scripts.benchmarks.bench_launches", "--launches", "12",
                           "--json", "/r/launches_np2.json"]
-    assert argv[at + 1:] == ["--nproc", "2", "--backends", *backends, "--ops", "allreduce",
+    assert idle[at + 1:] == ["--nproc", "2", "--backends", *backends, "--ops", "allreduce",
                              "-b", "4K", "-e", "64M", "-f", "4", "--repeats", "5", "--memcpy",
                              "--floor"]
-    bench_launches.parse_args(argv[3:])  # bench_launches takes it (--json before --)
+    at = busy.index("--")
+    assert busy[1:at] == ["-m", "scripts.benchmarks.bench_launches", "--launches", "6",
+                          "--json", "/r/launches_busy_np2.json"]
+    assert busy[at + 1:] == ["--nproc", "2", "--backends", "ringreduce", "gloo", "--ops",
+                             "allreduce", "broadcast", "-b", "4K", "-e", "64M", "-f", "4",
+                             "--repeats", "3", "--busy", "cores"]
+    for argv in (idle, busy):
+        bench_launches.parse_args(argv[3:])  # bench_launches takes it (--json before --)
     quick = make_report.commands(make_report.parse_args(["--results", "/r", "--quick"]))
-    (argv,) = [a for s, _, a in quick if s == "launches"]
-    assert argv[argv.index("--launches") + 1] == "2"
-    assert argv[argv.index("--") + 1:] == [
+    idle, busy = [a for s, _, a in quick if s == "launches"]
+    assert idle[idle.index("--launches") + 1] == busy[busy.index("--launches") + 1] == "2"
+    assert idle[idle.index("--") + 1:] == [
         "--nproc", "2", "--backends", *backends, "--ops", "allreduce", "-b", "4K", "-e", "64K",
         "--repeats", "1", "--target-time", "0.01", "--memcpy", "--floor"]
+    assert busy[busy.index("--") + 1:] == [
+        "--nproc", "2", "--backends", "ringreduce", "gloo", "--ops", "allreduce", "broadcast",
+        "-b", "4K", "-e", "64K", "--repeats", "1", "--target-time", "0.01", "--busy", "cores"]
+
+
+def test_make_report_runs_many_ranks():
+    """make_report's step "ranks": the all-reduce and broadcast at 8, 16 and 32 ranks
+    against gloo (CPU only); --quick 8 ranks at tiny sizes."""
+    from scripts.tools import make_report
+    cmds = make_report.commands(make_report.parse_args(["--results", "/r", "--only", "ranks"]))
+    assert [c[0] for c in cmds] == ["ranks"] * 3
+    for n, (_, _, argv) in zip((8, 16, 32), cmds):
+        assert argv[1:] == ["-m", "torch_ringreduce.bench", "--nproc", str(n), "--backends",
+                            "ringreduce", "gloo", "--ops", "allreduce", "broadcast", "--device",
+                            "cpu", "-b", "4K", "-e", "16M", "-f", "4", "--repeats", "3",
+                            "--target-time", "0.1", "--json", f"/r/bench_collectives_np{n}.json"]
+    quick = make_report.commands(make_report.parse_args(
+        ["--results", "/r", "--only", "ranks", "--quick"]))
+    assert [a[a.index("--nproc") + 1] for _, _, a in quick] == ["8"]
+    cuda = make_report.parse_args(["--results", "/r", "--only", "ranks", "--device", "cuda"])
+    assert make_report.commands(cuda) == []

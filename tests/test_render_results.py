@@ -175,8 +175,10 @@ def test_launches_spread_floor_and_in_place_pass(page):
     (medians); the floor and in-place pass over launches; the slow launch with gloo's
     time in it; and the command that reproduces the table, not a launch's."""
     text = _section(page, "Spread over fresh launches")
-    assert "| 4 KiB | 20.0 / 22.0 / 40.0 | 100 / 110 / 120 | 1.82 | 1.09 | 0.20 |" in text
-    assert "| 1 MiB | 90.0 / 95.0 / 100 | 1,500 / 1,600 / 1,700 | 1.05 | 1.06 | 0.06 |" in text
+    # ... | ours / gloo, medians | ours / gloo in the launch where it was highest (40 / 120)
+    assert "| 4 KiB | 20.0 / 22.0 / 40.0 | 100 / 110 / 120 | 1.82 | 1.09 | 0.20 | 0.33 |" in text
+    assert "| 1 MiB | 90.0 / 95.0 / 100 | 1,500 / 1,600 / 1,700 | 1.05 | 1.06 | 0.06 | 0.06 |" \
+        in text
     assert "| over the one-rank floor (µs) at 4 KiB | 3.50 / 4.00 / 12.0 | 80.0 / 85.0 / 95.0 |" \
         in text
     assert "| busbw / in-place pass at 1 MiB | 0.410 / 0.430 / 0.450 | " \
@@ -187,6 +189,17 @@ def test_launches_spread_floor_and_in_place_pass(page):
     assert "mpirun" not in text  # the launches' launcher is not this command's
     assert "3 launches of `python -m torch_ringreduce.bench`, 5 repeat(s) per row" in text
     assert "**Date:** 2030-01-02 03:04 UTC" in text
+
+
+def test_launches_with_busy_cores_say_so():
+    doc = _launches()
+    for launch in doc["launches"]:
+        launch["environment"]["busy"] = {"burners": 2}
+    doc["environment"] = bench_launches.environment(doc["launches"], ["--launches", "3"])
+    text = "\n".join(render_results.render_launches(
+        [{**doc, "_file": "launches_busy_np2.json", "_env": doc["environment"]}]))
+    assert "### 2 ranks, ringreduce, gloo, 2 cores busy (`launches_busy_np2.json`)" in text
+    assert "2 busy-loop process(es) beside the ranks" in text
 
 
 def test_course_table_rows_and_skips(page):

@@ -1,7 +1,7 @@
 """Every benchmark and training comparison into results/, then the notebooks, in place,
 and the docs' results page (docs/performance/results.md) from the same JSON.
 
-    python -m scripts.tools.make_report              # the full report (about 18 min on 2 cores)
+    python -m scripts.tools.make_report              # the full report (about 16 min on 2 cores)
     python -m scripts.tools.make_report --quick      # tiny sizes: checks the pipeline in ~2 min
     python -m scripts.tools.make_report --only train notebooks --train-size 0  # all of CIFAR-100
     python -m scripts.tools.make_report --device cuda --nproc 2                # NCCL comparisons
@@ -9,9 +9,13 @@ and the docs' results page (docs/performance/results.md) from the same JSON.
 Steps (--only picks some):
   bench      python -m torch_ringreduce.bench, 2 and 4 ranks, every collective, 4K..64M
              -> results/bench_collectives_np{2,4}.json
-  launches   scripts/benchmarks/bench_launches.py: the all-reduce, 2 ranks, 4K..64M, as 12 fresh
-             launches, against Open MPI (when mpi4py and mpirun are there) and gloo, with the
-             one-rank floor and the in-place pass -> results/launches_np2.json
+  launches   scripts/benchmarks/bench_launches.py, 2 ranks, 4K..64M, as fresh launches: the
+             all-reduce 12 times against Open MPI (when mpi4py and mpirun are there) and gloo,
+             with the one-rank floor and the in-place pass -> results/launches_np2.json; the
+             all-reduce and broadcast 6 times against gloo, one busy process per core
+             -> results/launches_busy_np2.json
+  ranks      python -m torch_ringreduce.bench, all-reduce and broadcast, 8, 16 and 32 ranks
+             against gloo, 4K..16M (CPU only) -> results/bench_collectives_np{8,16,32}.json
   syncbn     scripts/benchmarks/bench_syncbn.py -> results/bench_syncbn_<device>.json
   course     python -m torch_ringreduce.bench --course-table: all-reduce time, backend x workers
              {2, 4, 6} x {1M, 10M, 100M, 1000M} -> results/course_table_<device>.json
@@ -54,7 +58,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = ["-m", "torch_ringreduce.bench"]
-STEPS = ["bench", "launches", "course", "syncbn", "study", "variants", "paradigms", "train",
+STEPS = ["bench", "launches", "ranks", "course", "syncbn", "study", "variants", "paradigms", "train",
          "notebooks", "tables"]
 CPU_RUNS = {
     "ours": ["--backend", "ringreduce", "--ddp", "ours", "--sync-bn", "ours"],
@@ -85,7 +89,8 @@ def commands(args):
         cmds.append(("bench", f"collectives np{n}", [
             py, *BENCH, "--nproc", str(n), "--backends", *backends,
             "--device", args.device, *sweep, "--json", f"{out}/bench_collectives_np{n}.json"]))
-    cmds.append(launches_command(args))
+    cmds += launches_commands(args)
+    cmds += ranks_commands(args) if args.device == "cpu" else []
     course = ["--workers", "2", "--sizes", "4K", "64K", "--repeats", "2", "--warmup", "1"] \
         if quick else []
     cmds.append(("course", "course table", [
@@ -134,18 +139,39 @@ def mpi_available():
     return importlib.util.find_spec("mpi4py") is not None and shutil.which("mpirun") is not None
 
 
-def launches_command(args):
-    """The all-reduce as fresh launches (bench_launches.py), against Open MPI when it is
-    installed and gloo, with the floor and the in-place pass."""
+def launches_commands(args):
+    """Fresh launches (bench_launches.py) on 2 ranks: the all-reduce against Open MPI
+    when it is installed and gloo, with the floor and the in-place pass; then the
+    all-reduce and broadcast against gloo with one busy process per core."""
     backends = ["ringreduce", "mpi", "gloo"] if mpi_available() else ["ringreduce", "gloo"]
-    if args.quick:
-        count, sweep = "2", ["-b", "4K", "-e", "64K", "--repeats", "1", "--target-time", "0.01"]
-    else:
-        count, sweep = "12", ["-b", "4K", "-e", "64M", "-f", "4", "--repeats", "5"]
-    return ("launches", "fresh launches np2", [
-        sys.executable, "-m", "scripts.benchmarks.bench_launches", "--launches", count,
-        "--json", f"{args.results}/launches_np2.json", "--", "--nproc", "2",
-        "--backends", *backends, "--ops", "allreduce", *sweep, "--memcpy", "--floor"])
+    tiny = ["-b", "4K", "-e", "64K", "--repeats", "1", "--target-time", "0.01"]
+    runs = [("launches_np2", "12", backends, ["allreduce"],
+             ["-b", "4K", "-e", "64M", "-f", "4", "--repeats", "5", "--memcpy", "--floor"]),
+            ("launches_busy_np2", "6", ["ringreduce", "gloo"], ["allreduce", "broadcast"],
+             ["-b", "4K", "-e", "64M", "-f", "4", "--repeats", "3", "--busy", "cores"])]
+    cmds = []
+    for name, count, names, ops, sweep in runs:
+        if args.quick:
+            count, sweep = "2", tiny + [a for a in sweep if a in ("--memcpy", "--floor")] + \
+                (["--busy", "cores"] if "--busy" in sweep else [])
+        cmds.append(("launches", f"fresh launches {name}", [
+            sys.executable, "-m", "scripts.benchmarks.bench_launches", "--launches", count,
+            "--json", f"{args.results}/{name}.json", "--", "--nproc", "2",
+            "--backends", *names, "--ops", *ops, *sweep]))
+    return cmds
+
+
+def ranks_commands(args):
+    """The all-reduce and broadcast at 8, 16 and 32 ranks on this host against gloo
+    (as many workers as the course studies take, on however few cores)."""
+    sweep = ["-b", "4K", "-e", "16K", "--repeats", "1", "--target-time", "0.01"] \
+        if args.quick else ["-b", "4K", "-e", "16M", "-f", "4", "--repeats", "3",
+                            "--target-time", "0.1"]
+    return [("ranks", f"collectives np{n}", [
+        sys.executable, *BENCH, "--nproc", str(n), "--backends", "ringreduce", "gloo",
+        "--ops", "allreduce", "broadcast", "--device", "cpu", *sweep,
+        "--json", f"{args.results}/bench_collectives_np{n}.json"])
+        for n in ((8,) if args.quick else (8, 16, 32))]
 
 
 def train_flags(args):

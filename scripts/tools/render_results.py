@@ -333,13 +333,16 @@ def render_launches(docs):
            "of its repeats, and over the launches the min / median / max of those rows and "
            "the slowest launch over the median (max/median): a slow mode that lasts a whole "
            "process shows here, where the repeats inside one launch all share it "
-           "([Method](method.md#side-by-side-as-ratios)).", ""]
+           "([Method](method.md#side-by-side-as-ratios)). The ratios: ringreduce's median "
+           "over another backend's, and the highest of ringreduce's time over the other's "
+           "in the same launch (worst launch).", ""]
     for d in docs:
         rows, first = d["summary"], (d["launches"] or [{}])[0]
         a = first.get("args") or {}
         backends = a.get("backends") or list(dict.fromkeys(r["backend"] for r in rows))
-        out += [f"### {d['_env'].get('world_size')} ranks, {', '.join(backends)} "
-                f"(`{d['_file']}`)", ""]
+        busy = (d["_env"].get("busy") or {}).get("burners")
+        out += [f"### {d['_env'].get('world_size')} ranks, {', '.join(backends)}"
+                + (f", {busy} cores busy" if busy else "") + f" (`{d['_file']}`)", ""]
         out += setup([d], "scripts.benchmarks.bench_launches",
                      f"{len(d['launches'])} launches of `python -m torch_ringreduce.bench`, "
                      f"{a.get('repeats')} repeat(s) per row, {a.get('dtype')}, {a.get('device')}")
@@ -352,9 +355,16 @@ def render_launches(docs):
     return out
 
 
+def _worst_launch(ours, other):
+    """The highest of ours over the other backend's time in the same launch."""
+    pairs = [a / b for a, b in zip(ours.get("time_us_by_launch") or [],
+                                   other.get("time_us_by_launch") or []) if a and b]
+    return f"{max(pairs):.2f}" if pairs else "n/a"
+
+
 def _launch_times(rows, backends):
     """Per size: min / median / max per backend, max/median per backend, ours over
-    each other backend (median / median)."""
+    each other backend (median / median, and in the launch where it was highest)."""
     by = {(r["backend"], r["size_bytes"]): r for r in rows}
     ours = next((b for b in backends if b.startswith("ringreduce")), None)
     others = [b for b in backends if ours and b != ours]
@@ -366,10 +376,13 @@ def _launch_times(rows, backends):
                      *(" / ".join(num(c.get(k)) for k in ("min_us", "median_us", "max_us"))
                        if c else "n/a" for c in cells),
                      *(ratio(c.get("max_us"), c.get("median_us")) for c in cells),
-                     *(ratio(mid[ours], mid[o]) for o in others)])
+                     *(ratio(mid[ours], mid[o]) for o in others),
+                     *(_worst_launch(by.get((ours, s)) or {}, by.get((o, s)) or {})
+                       for o in others)])
     return table(["size", *(f"{b} min / median / max" for b in backends),
                   *(f"{b} max/median" for b in backends),
-                  *(f"{ours} / {o} (medians)" for o in others)], body)
+                  *(f"{ours} / {o} (medians)" for o in others),
+                  *(f"{ours} / {o} (worst launch)" for o in others)], body)
 
 
 def _launch_references(rows, backends):
