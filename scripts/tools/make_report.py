@@ -58,8 +58,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = ["-m", "torch_ringreduce.bench"]
-STEPS = ["bench", "launches", "ranks", "course", "syncbn", "study", "variants", "paradigms", "train",
-         "notebooks", "tables"]
+STEPS = ["bench", "launches", "ranks", "course", "syncbn", "study", "variants", "paradigms",
+         "train", "notebooks", "tables"]
 CPU_RUNS = {
     "ours": ["--backend", "ringreduce", "--ddp", "ours", "--sync-bn", "ours"],
     "torch-ddp": ["--backend", "ringreduce", "--ddp", "torch", "--sync-bn", "ours"],
@@ -144,20 +144,20 @@ def launches_commands(args):
     when it is installed and gloo, with the floor and the in-place pass; then the
     all-reduce and broadcast against gloo with one busy process per core."""
     backends = ["ringreduce", "mpi", "gloo"] if mpi_available() else ["ringreduce", "gloo"]
-    tiny = ["-b", "4K", "-e", "64K", "--repeats", "1", "--target-time", "0.01"]
-    runs = [("launches_np2", "12", backends, ["allreduce"],
-             ["-b", "4K", "-e", "64M", "-f", "4", "--repeats", "5", "--memcpy", "--floor"]),
-            ("launches_busy_np2", "6", ["ringreduce", "gloo"], ["allreduce", "broadcast"],
-             ["-b", "4K", "-e", "64M", "-f", "4", "--repeats", "3", "--busy", "cores"])]
+    sizes = ["-b", "4K", "-e", "64K", "--repeats", "1", "--target-time", "0.01"] \
+        if args.quick else ["-b", "4K", "-e", "64M", "-f", "4"]
+    # (file, launches, backends, ops, repeats, reference points or load)
+    runs = [("launches_np2", 12, backends, ["allreduce"], 5, ["--memcpy", "--floor"]),
+            ("launches_busy_np2", 6, ["ringreduce", "gloo"], ["allreduce", "broadcast"], 3,
+             ["--busy", "cores"])]
     cmds = []
-    for name, count, names, ops, sweep in runs:
-        if args.quick:
-            count, sweep = "2", tiny + [a for a in sweep if a in ("--memcpy", "--floor")] + \
-                (["--busy", "cores"] if "--busy" in sweep else [])
+    for name, count, names, ops, repeats, extra in runs:
         cmds.append(("launches", f"fresh launches {name}", [
-            sys.executable, "-m", "scripts.benchmarks.bench_launches", "--launches", count,
+            sys.executable, "-m", "scripts.benchmarks.bench_launches",
+            "--launches", "2" if args.quick else str(count),
             "--json", f"{args.results}/{name}.json", "--", "--nproc", "2",
-            "--backends", *names, "--ops", *ops, *sweep]))
+            "--backends", *names, "--ops", *ops, *sizes,
+            *([] if args.quick else ["--repeats", str(repeats)]), *extra]))
     return cmds
 
 
