@@ -171,13 +171,15 @@ void bindBackend(py::module_& m) {
             out["ranks_fit_cpus"] = w.ranksFitCores();
             out["spin_us"] = w.configuredSpinUs();
             out["yield_us"] = w.configuredYieldUs();
+            out["wake_slice_us"] = w.wakeSliceUs();
             return out;
           },
           "How this rank waits for its peers: {'local_ranks': this host's ranks of the group, "
           "'usable_cpus': the CPUs they may run on between them (the union of their affinity "
           "masks, capped by the cgroup CPU quota), 'machine_cores': int, 'ranks_fit_cpus': "
           "bool (spinning and streaming ring stores need it), 'spin_us', 'yield_us': the "
-          "budgets before the machine's load adapts them}");
+          "budgets before the machine's load adapts them, 'wake_slice_us': the time slice a "
+          "sleeping wait asks for (0: none)}");
 
   m.def(
       "environment",

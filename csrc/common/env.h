@@ -46,6 +46,13 @@ inline constexpr EnvVar kEnvYieldUs{
     "then microseconds it polls, yielding the core between tries, before sleeping (setting "
     "it turns adaptation off)",
     true};
+inline constexpr EnvVar kEnvWakeSliceUs{
+    "RINGREDUCE_WAKE_SLICE_US", "100",
+    "scheduler time slice, in microseconds, a waiting thread asks for while it sleeps "
+    "(Linux 6.12+, sched_setattr): woken by its peer, it then takes the core from a "
+    "CPU-bound thread at once instead of when that thread's slice ends; `0` leaves the "
+    "slice alone",
+    true};
 inline constexpr EnvVar kEnvShm{
     "RINGREDUCE_SHM", "`1`",
     "`0` keeps collectives on TCP even when every rank is on this host", true};
@@ -78,7 +85,7 @@ inline constexpr EnvVar kEnvDebug{"RINGREDUCE_DEBUG", "0",
 // Every variable above, in the documented table's order.
 inline constexpr const EnvVar* kEnvVariables[] = {
     &kEnvIfname,   &kEnvAddr,         &kEnvSegmentBytes, &kEnvSpinUs,
-    &kEnvYieldUs,  &kEnvShm,          &kEnvShmMemfd,     &kEnvShmRingBytes,
+    &kEnvYieldUs,  &kEnvWakeSliceUs,  &kEnvShm,          &kEnvShmMemfd,     &kEnvShmRingBytes,
     &kEnvAllreduce, &kEnvCpuAvx2,     &kEnvDebug};
 
 std::string envString(const EnvVar& var, const std::string& fallback);

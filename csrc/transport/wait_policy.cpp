@@ -2,6 +2,8 @@
 
 #include <sched.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -40,7 +42,69 @@ std::array<int64_t, 4> processUsage() {
   return {u.ru_nvcsw, u.ru_nivcsw, u.ru_minflt, u.ru_majflt};
 }
 
+// Linux's struct sched_attr (sched_setattr(2); glibc wraps it only from 2.41).
+// For SCHED_OTHER, sched_runtime is the task's time slice in ns (6.12+; older
+// kernels report 0 and ignore it).
+struct SchedAttr {
+  uint32_t size;
+  uint32_t policy;
+  uint64_t flags;
+  int32_t nice;
+  uint32_t priority;
+  uint64_t runtime;
+  uint64_t deadline;
+  uint64_t period;
+  uint32_t utilMin;
+  uint32_t utilMax;
+};
+static_assert(sizeof(SchedAttr) == 56, "SCHED_ATTR_SIZE_VER1");
+constexpr uint64_t kSchedResetOnFork = 0x01;  // SCHED_FLAG_RESET_ON_FORK
+
+bool getSchedAttr(SchedAttr* a) {
+  return syscall(SYS_sched_getattr, 0, a, sizeof(*a), 0) == 0;
+}
+
+bool setSlice(uint64_t sliceNs, int32_t nice, uint64_t flags) {
+  SchedAttr a{};
+  a.size = sizeof(a);
+  a.policy = SCHED_OTHER;
+  a.flags = flags;
+  a.nice = nice;
+  a.runtime = sliceNs;
+  return syscall(SYS_sched_setattr, 0, &a, 0) == 0;
+}
+
+// Cleared the first time the kernel shows it has no per-task slice or refuses
+// to set one (a seccomp filter): every later sleep then skips the system calls.
+std::atomic<bool> sliceWorks{true};
+
 }  // namespace
+
+WaitPolicy::Sleep::Sleep(const WaitPolicy& policy) {
+  if (policy.wakeSliceUs_ <= 0 || !sliceWorks.load(std::memory_order_relaxed)) return;
+  SchedAttr a{};
+  if (!getSchedAttr(&a) || a.runtime == 0) {
+    sliceWorks.store(false, std::memory_order_relaxed);
+    return;
+  }
+  // SCHED_BATCH and SCHED_IDLE never preempt on waking; real-time classes
+  // need no slice.
+  if (a.policy != SCHED_OTHER) return;
+  const uint64_t want = static_cast<uint64_t>(policy.wakeSliceUs_) * 1000;
+  if (want >= a.runtime) return;
+  slice_ = a.runtime;
+  nice_ = a.nice;
+  flags_ = a.flags & kSchedResetOnFork;
+  if (!setSlice(want, nice_, flags_)) {
+    sliceWorks.store(false, std::memory_order_relaxed);
+    return;
+  }
+  changed_ = true;
+}
+
+WaitPolicy::Sleep::~Sleep() {
+  if (changed_) setSlice(slice_, nice_, flags_);
+}
 
 WaitPolicy::WaitPolicy(int worldSize) {
   resetSummary();
@@ -49,6 +113,7 @@ WaitPolicy::WaitPolicy(int worldSize) {
   usableCpus_ = cores_;
   adaptiveSpin_ = !envIsSet(kEnvSpinUs);
   adaptiveYield_ = !envIsSet(kEnvYieldUs);
+  wakeSliceUs_ = envInt(kEnvWakeSliceUs, kDefaultWakeSliceUs);
   setLocalRanks(worldSize);
 }
 

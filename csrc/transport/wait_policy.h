@@ -22,6 +22,13 @@
 //     is woken at once by its peer
 //     (4 ranks on 2 cores with one busy process per core: a 64 MiB
 //     all-reduce took 1.55 s yielding, 0.21 s sleeping).
+//
+// A rank that sleeps asks the kernel for a short time slice while it sleeps
+// (kDefaultWakeSliceUs, RINGREDUCE_WAKE_SLICE_US; Linux 6.12+): a woken task
+// whose slice is shorter than the running one's preempts it, so the peer's
+// doorbell gets this rank the core at once where it would otherwise wait for
+// a CPU-bound thread's slice (1-3 ms) to end. It changes when the thread runs,
+// not how much: its weight stays, and the slice it had is back once it wakes.
 // Thread-safe: every thread of a transport shares one policy.
 #pragma once
 
@@ -55,6 +62,25 @@ class WaitPolicy {
   int64_t configuredYieldUs() const { return yieldUs_; }
   void yield();
 
+  // Brackets a sleep in the kernel on the calling thread: asks for the wake
+  // slice, and gives the thread the slice it had when it goes out of scope.
+  // Nothing when the slice is 0, the thread is not SCHED_OTHER, or the kernel
+  // has no per-task slice (then no thread of the process tries again).
+  class Sleep {
+   public:
+    explicit Sleep(const WaitPolicy& policy);
+    ~Sleep();
+    Sleep(const Sleep&) = delete;
+    Sleep& operator=(const Sleep&) = delete;
+
+   private:
+    bool changed_ = false;
+    uint64_t slice_ = 0;  // ns, as the thread had it
+    int32_t nice_ = 0;
+    uint64_t flags_ = 0;
+  };
+  int64_t wakeSliceUs() const { return wakeSliceUs_; }
+
   // What this group's waits did, for explaining a run (a relaxed atomic add
   // per wait that had to wait, and one sched_getcpu): how many ended while
   // spinning, while yielding, or slept in the kernel (each counted once, at
@@ -80,6 +106,7 @@ class WaitPolicy {
   // --8<-- [start:budgets]
   static constexpr int64_t kDefaultSpinUs = 50;
   static constexpr int64_t kDefaultYieldUs = 200;
+  static constexpr int64_t kDefaultWakeSliceUs = 100;
   static constexpr int64_t kSampleMs = 20;
   static constexpr int kSamples = 5;
   // --8<-- [end:budgets]
@@ -91,6 +118,7 @@ class WaitPolicy {
 
   int64_t spinUs_ = 0;
   int64_t yieldUs_ = 0;
+  int64_t wakeSliceUs_ = kDefaultWakeSliceUs;
   bool adaptiveSpin_;
   bool adaptiveYield_;
   unsigned cores_;        // the machine's (runnable threads are counted machine-wide)

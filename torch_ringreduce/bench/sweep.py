@@ -4,6 +4,7 @@ table, the wait summary and the JSON. The command line is cli.py
 (python -m torch_ringreduce.bench); the course table (course.py) reuses the
 measuring and the groups from here.
 """
+import contextlib
 import datetime
 import json
 import os
@@ -147,7 +148,14 @@ def new_group(name, timeout):
     choice), the two-step all-reduce's staging areas (e.g. @256K), and how its
     shared-memory rings are written (+plain or +streaming stores; by default
     each rank measures which is faster, per op and size, when the host's ranks
-    fit the CPUs they may use, and takes plain stores when they do not)."""
+    fit the CPUs they may use, and takes plain stores when they do not).
+    Any of them may end in ",RINGREDUCE_<VAR>=<value>" pairs, set while the
+    group is created (what a group reads then: its wait budgets, the wake
+    slice), e.g. "ringreduce,RINGREDUCE_WAKE_SLICE_US=0"."""
+    name, *assignments = name.split(",")
+    if assignments:
+        with _environment(name, assignments):
+            return new_group(name, timeout)
     backend, _, spec = name.partition(":")
     if not spec:
         return dist.new_group(backend=backend, timeout=timeout)
@@ -173,6 +181,27 @@ def new_group(name, timeout):
 
 
 RING_STORES = {"": -1, "plain": 0, "streaming": 1}
+
+
+@contextlib.contextmanager
+def _environment(name, assignments):
+    """RINGREDUCE_* variables set as `assignments` ("VAR=value") say, then put back."""
+    pairs = []
+    for item in assignments:
+        var, eq, value = item.partition("=")
+        if not eq or not var.startswith("RINGREDUCE_") or not name.startswith("ringreduce"):
+            raise ValueError(f"{name},{item}: only ringreduce takes RINGREDUCE_<VAR>=<value>")
+        pairs.append((var, value))
+    saved = {var: os.environ.get(var) for var, _ in pairs}
+    os.environ.update(pairs)
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 def create_groups(backends, ctx, args, hint):

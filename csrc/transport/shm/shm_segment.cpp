@@ -205,6 +205,7 @@ void PeerWait::idle(FunctionRef<bool()> ready, FunctionRef<void(std::vector<int>
   const uint32_t seen = mine_.ring.load();
   if (!ready()) {
     const int ms = std::max(1, std::min(kSleepMs, millisUntil(op_.deadline)));
+    WaitPolicy::Sleep sleep(policy);
     futexWait(&mine_.ring, seen, ms);
   }
   mine_.sleeping.store(0);

@@ -182,6 +182,7 @@ int TcpTransport::pollWithSpin(std::vector<pollfd>& pfds, int timeoutMs) {
     } while (Clock::now() < until && wait.yieldUs() > 0);
   }
   wait.noteWait(Phase::kSlept);
+  WaitPolicy::Sleep sleep(wait);
   return poll(pfds.data(), pfds.size(), timeoutMs);
 }
 
