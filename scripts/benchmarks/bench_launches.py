@@ -126,21 +126,31 @@ def summarize(docs):
     return out
 
 
+def reference_rows(rows):
+    """[(key, size, {backend: row})] per reference figure the launches measured:
+    the time over the one-rank floor ("over_floor_us") at the smallest size that
+    has it, busbw / in-place pass ("busbw_per_inplace_all") at the largest."""
+    out = []
+    for key, pick in (("over_floor_us", min), ("busbw_per_inplace_all", max)):
+        have = [r for r in rows if f"{key}_by_launch" in r]
+        if have:
+            size = pick(r["size_bytes"] for r in have)
+            out.append((key, size, {r["backend"]: r for r in have if r["size_bytes"] == size}))
+    return out
+
+
 def reference_lines(rows, backend):
-    """Per backend: the min / median / max over launches of the time over the one-rank
-    floor at the smallest size that has it, and of busbw / in-place pass at the
-    largest; lines only for what the launches measured."""
-    mine = [r for r in rows if r["backend"] == backend]
+    """Per backend: the min / median / max over launches of each reference figure
+    (reference_rows); lines only for what the launches measured."""
+    what = {"over_floor_us": ("over the one-rank floor (us)", "+.1f"),
+            "busbw_per_inplace_all": ("busbw / in-place pass of all ranks", ".2f")}
     lines = []
-    for key, pick, what, fmt in (
-            ("over_floor_us", min, "over the one-rank floor (us)", "+.1f"),
-            ("busbw_per_inplace_all", max, "busbw / in-place pass of all ranks", ".2f")):
-        have = [r for r in mine if f"{key}_by_launch" in r]
-        if not have:
+    for key, size, by in reference_rows(rows):
+        if backend not in by:
             continue
-        r = pick(have, key=lambda x: x["size_bytes"])
+        r, (label, fmt) = by[backend], what[key]
         count = sum(v is not None for v in r[f"{key}_by_launch"])
-        lines.append(f"# {backend} {what} at {r['size_bytes']} B, min / median / max of "
+        lines.append(f"# {backend} {label} at {size} B, min / median / max of "
                      f"{count} launches: " + " / ".join(
                          format(r[f"{key}_{s}"], fmt) for s in ("min", "median", "max")))
     return lines

@@ -249,9 +249,7 @@ def render_collectives(docs):
         ops = list(dict.fromkeys(r["op"] for r in rows))
         sizes = sorted({r["size_bytes"] for r in rows})
         by = {(r["op"], r["backend"], r["size_bytes"]): r for r in rows}
-        busy = (env.get("busy") or {}).get("burners")
-        out += [f"### {env.get('world_size')} ranks, {', '.join(backends)}"
-                + (f", {busy} cores busy" if busy else "") + f" (`{d['_file']}`)", ""]
+        out += _run_heading(d, env, backends)
         out += setup([d], "torch_ringreduce.bench",
                      f"{d['args'].get('dtype')}, {d['args'].get('device')}")
 
@@ -323,6 +321,13 @@ def _references(refs, by, backends, largest):
     return ["References: " + "; ".join(parts) + ".", ""] if parts else []
 
 
+def _run_heading(d, env, backends):
+    """A benchmark run's heading: ranks, backends, busy cores, its file."""
+    busy = (env.get("busy") or {}).get("burners")
+    return [f"### {env.get('world_size')} ranks, {', '.join(backends)}"
+            + (f", {busy} cores busy" if busy else "") + f" (`{d['_file']}`)", ""]
+
+
 def is_launches(d):
     return isinstance(d.get("launches"), list) and isinstance(d.get("summary"), list)
 
@@ -340,9 +345,7 @@ def render_launches(docs):
         rows, first = d["summary"], (d["launches"] or [{}])[0]
         a = first.get("args") or {}
         backends = a.get("backends") or list(dict.fromkeys(r["backend"] for r in rows))
-        busy = (d["_env"].get("busy") or {}).get("burners")
-        out += [f"### {d['_env'].get('world_size')} ranks, {', '.join(backends)}"
-                + (f", {busy} cores busy" if busy else "") + f" (`{d['_file']}`)", ""]
+        out += _run_heading(d, d["_env"], backends)
         out += setup([d], "scripts.benchmarks.bench_launches",
                      f"{len(d['launches'])} launches of `python -m torch_ringreduce.bench`, "
                      f"{a.get('repeats')} repeat(s) per row, {a.get('dtype')}, {a.get('device')}")
@@ -386,19 +389,14 @@ def _launch_times(rows, backends):
 
 
 def _launch_references(rows, backends):
-    """Per launch, min / median / max: the time over the one-rank floor at the
-    smallest size, busbw / in-place pass at the largest; what the launches measured."""
-    body = []
-    for key, pick, what in (("over_floor_us", min, "over the one-rank floor (µs)"),
-                            ("busbw_per_inplace_all", max, "busbw / in-place pass")):
-        have = [r for r in rows if f"{key}_by_launch" in r]
-        if not have:
-            continue
-        size = pick(r["size_bytes"] for r in have)
-        by = {r["backend"]: r for r in have if r["size_bytes"] == size}
-        body.append([f"{what} at {size_label(size)}",
-                     *(" / ".join(num(by[b][f"{key}_{s}"]) for s in ("min", "median", "max"))
-                       if b in by else "n/a" for b in backends)])
+    """Per launch, min / median / max of each reference figure (the time over the
+    one-rank floor, busbw / in-place pass; bench_launches.reference_rows)."""
+    what = {"over_floor_us": "over the one-rank floor (µs)",
+            "busbw_per_inplace_all": "busbw / in-place pass"}
+    body = [[f"{what[key]} at {size_label(size)}",
+             *(" / ".join(num(by[b][f"{key}_{s}"]) for s in ("min", "median", "max"))
+               if b in by else "n/a" for b in backends)]
+            for key, size, by in bench_launches.reference_rows(rows)]
     if not body:
         return []
     return ["Each launch's reference figures, min / median / max over the launches:",
