@@ -243,16 +243,19 @@ def test_mismatched_all_reduce(fresh_world, kind, patterns):
 def test_mismatched_collective(fresh_world):
     world = fresh_world(2, pg_timeout_s=MISMATCH_TIMEOUT_S)
     results = world.run(_mismatch, "collective", timeout=RUN_TIMEOUT_S)
-    first = results[0]["first"]
-    _assert_backend_error(first, 0, "all_reduce against a broadcast")
-    match = re.search(r"collective mismatch: the peer is running broadcast#(\d+), "
-                      r"this rank allreduce#(\d+)", first["msg"])
-    assert match, first["msg"]
-    assert match.group(1) == match.group(2), first["msg"]
-    # Rank 1 is the broadcast's root: it only sends, and waits for the chain's
-    # acknowledgement, so it fails in this same op (it used to succeed here and
-    # fail only on its next op).
+    _assert_backend_error(results[0]["first"], 0, "all_reduce against a broadcast")
+    # Rank 1 is the broadcast's root: it only sends, but waits for its peer's
+    # flag (which names the peer's op), so it fails in this same op (it used to
+    # succeed here and fail only on its next op).
     _assert_backend_error(results[1]["first"], 1, "broadcast against an all_reduce")
+    # Whichever rank saw it first names both ops and their number; the other
+    # carries that first error.
+    for rank, res in enumerate(results):
+        match = re.search(r"collective mismatch: the peer is running (allreduce|broadcast)#(\d+), "
+                          r"this rank (allreduce|broadcast)#(\d+)", res["first"]["msg"])
+        assert match, (rank, res["first"]["msg"])
+        assert {match.group(1), match.group(3)} == {"allreduce", "broadcast"}, res["first"]
+        assert match.group(2) == match.group(4), res["first"]["msg"]
     for rank, res in enumerate(results):
         _assert_unusable(res, rank)
 

@@ -32,9 +32,10 @@ from _outcomes import with_env
 
 SIZES = [1, 2, 3, 4]
 TRANSPORTS = {"shm": {}, "tcp": {"RINGREDUCE_SHM": "0"}}
+
 RING = 3 * 4096 * 4          # float32 bytes above the 16 KiB direct all-reduce
 DIRECT = 1000                # 250 floats: the direct (one-step) all-reduce
-LARGE = 300 * 1024           # a broadcast above kBroadcastSharedBytes (256 KiB)
+LARGE = 300 * 1024           # a broadcast over two of the chain's 256 KiB segments
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +51,21 @@ def _group(ctx, transport):
         cache[transport] = with_env(TRANSPORTS[transport],
                                     lambda: dist.new_group(backend="ringreduce"))
     return cache[transport]
+
+
+def _chain_group(ctx):
+    """A ringreduce group on shared memory whose broadcast takes the chain (where
+    the shared broadcast would run), made once per world."""
+    from torch_ringreduce import _C
+
+    cache = ctx.__dict__.setdefault("_traffic_groups", {})
+    if "chain" not in cache:
+        old = _C._testing.broadcast_chain(True)
+        try:
+            cache["chain"] = dist.new_group(backend="ringreduce")
+        finally:
+            _C._testing.broadcast_chain(old)
+    return cache["chain"]
 
 
 def _counted(group, fn):
@@ -83,6 +99,12 @@ def every_collective(ctx, transport):
                                                               group=group))
     out["broadcast_large"] = _counted(group, lambda: dist.broadcast(f(LARGE // 4), src=n - 1,
                                                                     group=group))
+    if transport == "shm":
+        chain = _chain_group(ctx)
+        for key, size in (("broadcast_chain", RING), ("broadcast_chain_large", LARGE)):
+            t = f(size // 4)
+            out[key] = _counted(chain, lambda: dist.broadcast(t, src=n - 1, group=chain))
+            out[key]["exact"] = torch.equal(t, torch.full((size // 4,), float(n)))
     out["all_gather"] = _counted(group, lambda: all_gather_single(
         torch.empty(n * block), f(block), group=group))
     out["reduce_scatter"] = _counted(group, lambda: reduce_scatter_single(
@@ -131,17 +153,20 @@ def test_bytes_and_ops_match_the_closed_forms(worlds, world_size, transport):
         assert res["all_reduce_direct"]["bytes_sent"] == (n - 1) * DIRECT
         assert res["all_reduce_direct"]["bytes_received"] == (n - 1) * DIRECT
         root = n - 1
-        assert res["broadcast"]["bytes_received"] == (0 if r == root else RING)
         last = (root - 1) % n  # the chain runs root, root+1, ..., root-1
-        assert res["broadcast"]["bytes_sent"] == (0 if r == last or n == 1 else RING)
-        large = res["broadcast_large"]
-        assert large["ops"] == {"broadcast": 1}, (r, large)
-        if transport == "shm" and n > 1:  # the shared broadcast: peers read the root's area
-            assert large["bytes_received"] == (0 if r == root else LARGE), (r, large)
-            assert large["bytes_sent"] == ((n - 1) * LARGE if r == root else 0), (r, large)
-        else:  # the chain
-            assert large["bytes_received"] == (0 if r == root else LARGE), (r, large)
-            assert large["bytes_sent"] == (0 if r == last or n == 1 else LARGE), (r, large)
+        broadcasts = [("broadcast", RING, transport == "tcp"),
+                      ("broadcast_large", LARGE, transport == "tcp")]
+        if transport == "shm":
+            broadcasts += [("broadcast_chain", RING, True), ("broadcast_chain_large", LARGE, True)]
+        for key, size, chain in broadcasts:
+            got = res[key]
+            assert got["ops"] == {"broadcast": 1}, (r, key, got)
+            assert got.get("exact", True), (r, key, got)  # the root's data on every rank
+            assert got["bytes_received"] == (0 if r == root else size), (r, key, got)
+            if chain:  # every rank but the last forwards the buffer
+                assert got["bytes_sent"] == (0 if r == last or n == 1 else size), (r, key, got)
+            else:  # the shared broadcast: the peers read the root's staging area
+                assert got["bytes_sent"] == ((n - 1) * size if r == root else 0), (r, key, got)
         for key in ("all_gather", "reduce_scatter", "all_to_all"):
             assert res[key]["bytes_sent"] == (n - 1) * block, (r, key, res[key])
             assert res[key]["bytes_received"] == (n - 1) * block, (r, key, res[key])

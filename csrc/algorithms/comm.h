@@ -36,6 +36,8 @@ struct Comm {
   // to it. Shared: a point-to-point completion may outlive the backend.
   std::shared_ptr<Traffic> traffic;
   AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;
+  // The chain broadcast even where the shared one runs (testHooks().broadcastChain).
+  bool broadcastChain = false;
   // A Comm over part of the group (the hierarchical all-reduce's rings across
   // hosts): rank i of this Comm is rank (*ranks)[i] of the group. Null: all.
   const std::vector<int>* ranks = nullptr;
@@ -43,7 +45,7 @@ struct Comm {
   // The Comm over `members` (ranks of the group; this rank is members[index]).
   Comm subgroup(const std::vector<int>& members, int index) const {
     return Comm{transport, op, index, static_cast<int>(members.size()), segmentBytes, traffic,
-                AllreduceAlgorithm::kAuto, &members};
+                AllreduceAlgorithm::kAuto, false, &members};
   }
 
   // Every algorithm moves its data through here: the transport's exchange,

@@ -70,20 +70,16 @@ void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, Red
   }
 }
 
-// --8<-- [start:choose-broadcast]
-bool chooseBroadcastShared(size_t bytes, int size) {
-  return bytes >= kBroadcastSharedBytes || size >= kBroadcastSharedRanks;
-}
-// --8<-- [end:choose-broadcast]
-
 void broadcastAuto(const Comm& c, char* data, size_t bytes, int root) {
   SharedBuffers* shared = c.transport.sharedBuffers();
   const bool oneHost = c.transport.topology().hosts.size() == 1;
-  if (shared != nullptr && oneHost && chooseBroadcastShared(bytes, c.size)) {
+  // --8<-- [start:choose-broadcast]
+  if (shared != nullptr && oneHost && !c.broadcastChain) {
     broadcastShared(c, *shared, data, bytes, root);
   } else {
     broadcastChain(c, data, bytes, root);
   }
+  // --8<-- [end:choose-broadcast]
 }
 
 }  // namespace ringreduce

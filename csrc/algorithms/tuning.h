@@ -41,13 +41,9 @@ AllreduceAlgorithm chooseAllreduce(size_t bytes, int size, bool shared,
 // The all-reduce chooseAllreduce picks for this buffer, group and transport.
 void allreduceAuto(const Comm& c, char* data, size_t count, size_t elemSize, ReduceFn fn);
 
-// A one-host group with shared buffers broadcasts through them rather than
-// down the chain from kBroadcastSharedBytes, or at any size from
-// kBroadcastSharedRanks ranks (the chain's hops wait for each rank in turn).
-constexpr size_t kBroadcastSharedBytes = 256 * 1024;
-constexpr int kBroadcastSharedRanks = 8;
-bool chooseBroadcastShared(size_t bytes, int size);
-// The broadcast this buffer, group and transport take.
+// The broadcast this buffer, group and transport take: a one-host group with
+// shared buffers broadcasts through them at every size, any other down the
+// chain (docs/algorithms.md, "Shared broadcast").
 void broadcastAuto(const Comm& c, char* data, size_t bytes, int root);
 
 }  // namespace ringreduce

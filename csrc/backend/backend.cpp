@@ -13,6 +13,7 @@
 #include "backend/coalesced_work.h"
 #include "common/env.h"
 #include "common/gil.h"
+#include "common/test_hooks.h"
 #include "transport/factory.h"
 #include "transport/mesh.h"
 
@@ -40,6 +41,7 @@ Backend::Backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int siz
                     " is too small (at least 64 bytes)");
   segmentBytes_ = static_cast<size_t>(segment);
   allreduce_ = allreduceFromEnv();
+  broadcastChain_ = testHooks().broadcastChain.load(std::memory_order_relaxed);
   // Shared memory with the ranks on this host, TCP with the others; the TCP
   // mesh underneath carries point-to-point and spreads failures.
   transport_ = connectGroup(store, rank, size, timeout);

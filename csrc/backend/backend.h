@@ -250,7 +250,8 @@ class Backend : public c10d::Backend {
   // What an op moves data through: collectives run over it (runOp), point-to-
   // point ops post through it; it counts every payload byte (algorithms/comm.h).
   Comm commFor(const OpInfo& op) const {
-    return Comm{*transport_, op, getRank(), getSize(), segmentBytes_, traffic_, allreduce_};
+    return Comm{*transport_, op, getRank(), getSize(), segmentBytes_, traffic_, allreduce_,
+                broadcastChain_};
   }
   std::chrono::milliseconds effective(std::chrono::milliseconds opTimeout) const;
   // What a CUDA op's wait for its copies to the host checks (DeviceStage::
@@ -278,6 +279,7 @@ class Backend : public c10d::Backend {
   int shrinks_ = 0;                        // shrink() calls, each with a key of its own
   size_t segmentBytes_;
   AllreduceAlgorithm allreduce_;  // RINGREDUCE_ALLREDUCE, read once
+  bool broadcastChain_;           // testHooks().broadcastChain, read once
   // Atomics: updated by the worker, transport threads and callers. Shared with
   // the point-to-point callbacks, which may run after the backend is gone (a
   // callback before them on the p2p thread destroyed the group).

@@ -52,8 +52,6 @@ void bindInternals(py::module_& m) {
         out["direct_allreduce_bytes"] = ringreduce::kDirectAllreduceBytes;
         out["direct_shared_2_bytes"] = ringreduce::kDirectShared2Bytes;
         out["direct_shared_bytes"] = ringreduce::kDirectSharedBytes;
-        out["broadcast_shared_bytes"] = ringreduce::kBroadcastSharedBytes;
-        out["broadcast_shared_ranks"] = ringreduce::kBroadcastSharedRanks;
         out["staging_bytes"] = ringreduce::shm::stagingBytesFor(localRanks);
         return out;
       },

@@ -43,6 +43,13 @@ void bindTesting(py::module_& m) {
       "Every rank must set the same.");
 
   t.def(
+      "broadcast_chain",
+      [](bool chain) { return testHooks().broadcastChain.exchange(chain); }, py::arg("chain"),
+      "Benchmarks too: groups created from now on broadcast down the chain even where "
+      "every rank shares this host's memory (the shared broadcast's place); returns the "
+      "previous value. Every rank must set the same.");
+
+  t.def(
       "shm_ring_stores",
       [](int mode) {
         TORCH_CHECK_VALUE(mode >= -1 && mode <= 1, "ring stores: -1, 0 or 1, got ", mode);

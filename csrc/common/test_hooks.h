@@ -26,6 +26,11 @@ struct TestHooks {
   // A point-to-point send with this tag fails on the engine as a broken
   // connection does, which aborts the group from the engine's thread (p2p_wire.cpp).
   std::atomic<int64_t> tcpFailSendTag{-1};
+  // Groups created from now on broadcast down the chain even on one host with
+  // shared memory (tuning.cpp); the benchmarks set it too. Every rank must set
+  // the same: a chain's receiver and a shared broadcast's root wait for each
+  // other until the timeout.
+  std::atomic<bool> broadcastChain{false};
 };
 
 // The process's one set.

@@ -12,6 +12,7 @@ by side in one run (RINGREDUCE_ALLREDUCE is set while its group is created):
         --backends ringreduce:ring ringreduce:direct ringreduce:two_step
     ... --backends ringreduce:two_step@256K ringreduce:two_step@4M   # staging areas
     ... --backends ringreduce:auto+plain ringreduce:auto+streaming   # ring stores
+    ... --ops broadcast --backends ringreduce ringreduce:auto+chain  # the chain broadcast
     ... --backends ringreduce ringreduce,RINGREDUCE_WAKE_SLICE_US=0  # any RINGREDUCE_<VAR>
 
 Without torchrun it spawns --nproc ranks on this host (FileStore rendezvous);

@@ -143,12 +143,13 @@ def fill_row(row, op, reps, plan_, wrong):
 
 def new_group(name, timeout):
     """A group of backend `name`: "gloo", "ringreduce", or
-    "ringreduce:<algorithm>[@<size>][+<stores>]": an all-reduce algorithm
+    "ringreduce:<algorithm>[@<size>][+<flag>...]": an all-reduce algorithm
     (RINGREDUCE_ALLREDUCE while the group is created; "auto" the backend's
-    choice), the two-step all-reduce's staging areas (e.g. @256K), and how its
-    shared-memory rings are written (+plain or +streaming stores; by default
-    each rank measures which is faster, per op and size, when the host's ranks
-    fit the CPUs they may use, and takes plain stores when they do not).
+    choice), the two-step all-reduce's staging areas (e.g. @256K), and flags:
+    how its shared-memory rings are written (+plain or +streaming stores; by
+    default each rank measures which is faster, per op and size, when the
+    host's ranks fit the CPUs they may use, and takes plain stores when they
+    do not), +chain for the chain broadcast where the shared one would run.
     Any of them may end in ",RINGREDUCE_<VAR>=<value>" pairs, set while the
     group is created (what a group reads then: its wait budgets, the wake
     slice), e.g. "ringreduce,RINGREDUCE_WAKE_SLICE_US=0"."""
@@ -159,19 +160,24 @@ def new_group(name, timeout):
     backend, _, spec = name.partition(":")
     if not spec:
         return dist.new_group(backend=backend, timeout=timeout)
-    spec, _, stores = spec.partition("+")
+    spec, *flags = spec.split("+")
     algorithm, _, staging = spec.partition("@")
-    if stores not in RING_STORES:
-        raise ValueError(f"{name}: ring stores must be one of {sorted(RING_STORES)[1:]}")
+    unknown = [f for f in flags if f not in RING_STORES and f != "chain"]
+    if unknown or len([f for f in flags if f in RING_STORES]) > 1:
+        raise ValueError(f"{name}: flags are one of {sorted(RING_STORES)[1:]} (ring stores) "
+                         "and chain")
+    stores = next((f for f in flags if f in RING_STORES), "")
     from torch_ringreduce import _C
 
     saved = os.environ.get("RINGREDUCE_ALLREDUCE")
     os.environ["RINGREDUCE_ALLREDUCE"] = algorithm or "auto"
     old = _C._testing.shm_staging_bytes(bu.parse_size(staging) if staging else 0)
     old_stores = _C._testing.shm_ring_stores(RING_STORES[stores])
+    old_chain = _C._testing.broadcast_chain("chain" in flags)
     try:
         return dist.new_group(backend=backend, timeout=timeout)
     finally:
+        _C._testing.broadcast_chain(old_chain)
         _C._testing.shm_ring_stores(old_stores)
         _C._testing.shm_staging_bytes(old)
         if saved is None:

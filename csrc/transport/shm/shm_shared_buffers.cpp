@@ -157,8 +157,8 @@ class ShmSharedBuffers : public SharedBuffers {
            Clock::now() < until) {
       std::this_thread::yield();
     }
-    std::string what = "the peer sent a message while this rank waits in the shared-memory "
-                       "two-step all-reduce";
+    std::string what = "the peer sent a message while this rank waits in the shared staging "
+                       "areas";
     if (c.head.load(std::memory_order_acquire) - tail >= sizeof(WireHeader) &&
         tail % seg_.layout().ringBytes + sizeof(WireHeader) <= seg_.layout().ringBytes) {
       WireHeader h;
@@ -166,8 +166,10 @@ class ShmSharedBuffers : public SharedBuffers {
       RecvSpec spec{peer, nullptr, 0, 0, {}};
       std::string mismatch = headerMismatch(op, spec, h);
       if (h.kind == static_cast<uint8_t>(op.kind) && h.seq == op.ctx.seq) {
-        mismatch = "algorithm mismatch: the peer runs this op over the rings (is "
-                   "RINGREDUCE_ALLREDUCE the same on every rank?)";
+        mismatch = "algorithm mismatch: the peer runs this op over the rings";
+        if (op.kind == OpKind::kAllreduce) {
+          mismatch += " (is RINGREDUCE_ALLREDUCE the same on every rank?)";
+        }
       }
       what = mismatch + "; " + what;
     }
