@@ -1,5 +1,6 @@
 """The CUDA kernels compile with nvcc alone, even on a machine that cannot run
 them (CI has nvcc but no GPU); the device routing compiles in CUDA mode."""
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -83,23 +84,37 @@ def test_cuda_mode_sources_are_found():
     assert "backend/device_stage.cpp" in found and "kernels/cuda/sync_bn_cuda.cpp" in found, found
 
 
-@pytest.mark.skipif(_cuda_include() is None, reason="no CUDA toolkit headers")
-@pytest.mark.parametrize("source", _cuda_mode_sources())
-def test_cuda_flavour_sources_compile(tmp_path, source):
-    """The ATen side of the CUDA build (device guard, streams, launch checks) and the
-    fused op, checked for syntax and types in CUDA mode. A CPU-only torch wheel lacks
-    the one header CMake generates for c10_cuda, so the test writes it (it only says
-    c10_cuda is a shared library)."""
+@pytest.fixture(scope="module")
+def cuda_flavour_compiles(tmp_path_factory):
+    """{source: (returncode, stderr)} of every CUDA-mode source checked for syntax and
+    types, the compilers run side by side on every core (one at a time, they took
+    half of this file's time). A CPU-only torch wheel lacks the one header CMake
+    generates for c10_cuda, so it writes it (it only says c10_cuda is a shared library)."""
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler")
+    tmp_path = tmp_path_factory.mktemp("cuda_flavour")
     stub = tmp_path / "c10" / "cuda" / "impl"
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     includes = [os.path.join(REPO, "csrc"), sysconfig.get_paths()["include"]]
     includes += cpp_ext.include_paths() + [str(tmp_path), _cuda_include()]
-    cmd = [cxx, "-std=c++20", "-fsyntax-only", "-DRINGREDUCE_WITH_CUDA"]
-    cmd += [f"-I{p}" for p in includes]
-    cmd.append(os.path.join(REPO, "csrc", *source.split("/")))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    base = [cxx, "-std=c++20", "-fsyntax-only", "-DRINGREDUCE_WITH_CUDA"]
+    base += [f"-I{p}" for p in includes]
+
+    def check(source):
+        proc = subprocess.run(base + [os.path.join(REPO, "csrc", *source.split("/"))],
+                              capture_output=True, text=True, timeout=600)
+        return source, (proc.returncode, proc.stderr)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(pool.map(check, _cuda_mode_sources()))
+
+
+@pytest.mark.skipif(_cuda_include() is None, reason="no CUDA toolkit headers")
+@pytest.mark.parametrize("source", _cuda_mode_sources())
+def test_cuda_flavour_sources_compile(cuda_flavour_compiles, source):
+    """The ATen side of the CUDA build (device guard, streams, launch checks) and the
+    fused op, checked for syntax and types in CUDA mode."""
+    returncode, stderr = cuda_flavour_compiles[source]
+    assert returncode == 0, stderr[-4000:]
