@@ -155,7 +155,7 @@ def new_group(name, timeout):
     slice), e.g. "ringreduce,RINGREDUCE_WAKE_SLICE_US=0"."""
     name, *assignments = name.split(",")
     if assignments:
-        with _environment(name, assignments):
+        with _environment(_assigned(name, assignments)):
             return new_group(name, timeout)
     backend, _, spec = name.partition(":")
     if not spec:
@@ -169,37 +169,37 @@ def new_group(name, timeout):
     stores = next((f for f in flags if f in RING_STORES), "")
     from torch_ringreduce import _C
 
-    saved = os.environ.get("RINGREDUCE_ALLREDUCE")
-    os.environ["RINGREDUCE_ALLREDUCE"] = algorithm or "auto"
     old = _C._testing.shm_staging_bytes(bu.parse_size(staging) if staging else 0)
     old_stores = _C._testing.shm_ring_stores(RING_STORES[stores])
     old_chain = _C._testing.broadcast_chain("chain" in flags)
     try:
-        return dist.new_group(backend=backend, timeout=timeout)
+        with _environment({"RINGREDUCE_ALLREDUCE": algorithm or "auto"}):
+            return dist.new_group(backend=backend, timeout=timeout)
     finally:
         _C._testing.broadcast_chain(old_chain)
         _C._testing.shm_ring_stores(old_stores)
         _C._testing.shm_staging_bytes(old)
-        if saved is None:
-            del os.environ["RINGREDUCE_ALLREDUCE"]
-        else:
-            os.environ["RINGREDUCE_ALLREDUCE"] = saved
 
 
 RING_STORES = {"": -1, "plain": 0, "streaming": 1}
 
 
-@contextlib.contextmanager
-def _environment(name, assignments):
-    """RINGREDUCE_* variables set as `assignments` ("VAR=value") say, then put back."""
-    pairs = []
+def _assigned(name, assignments):
+    """{VAR: value} of a backend name's ",RINGREDUCE_<VAR>=<value>" pairs."""
+    pairs = {}
     for item in assignments:
         var, eq, value = item.partition("=")
         if not eq or not var.startswith("RINGREDUCE_") or not name.startswith("ringreduce"):
             raise ValueError(f"{name},{item}: only ringreduce takes RINGREDUCE_<VAR>=<value>")
-        pairs.append((var, value))
-    saved = {var: os.environ.get(var) for var, _ in pairs}
-    os.environ.update(pairs)
+        pairs[var] = value
+    return pairs
+
+
+@contextlib.contextmanager
+def _environment(values):
+    """The variables of `values` set, then put back (or removed)."""
+    saved = {var: os.environ.get(var) for var in values}
+    os.environ.update(values)
     try:
         yield
     finally:
