@@ -157,15 +157,14 @@ bool announcedOp(Segment& seg, int local, WireHeader* out) {
 
 PeerWait::PeerWait(ControlPlane& plane, Segment& seg, int local, const std::vector<int>& localOf,
                    const OpInfo& op)
-    : plane_(plane), seg_(seg), mine_(seg.bell(local)), localOf_(localOf), op_(op),
-      idleSince_(Clock::now()) {}
+    : plane_(plane), seg_(seg), mine_(seg.bell(local)), localOf_(localOf), op_(op) {}
 
 PeerWait::~PeerWait() {
   plane_.waitPolicy().noteWait(furthest_);
 }
 
 void PeerWait::moved() {
-  idleSince_ = Clock::now();
+  idleKnown_ = false;
   gone_ = -1;
   if (furthest_ != WaitPolicy::Phase::kNone) {
     plane_.waitPolicy().noteWait(furthest_);
@@ -182,6 +181,10 @@ void PeerWait::idle(FunctionRef<bool()> ready, FunctionRef<void(std::vector<int>
   }
   throwIfAborted(plane_, seg_, op_);
   const auto now = Clock::now();
+  if (!idleKnown_) {  // the first pass that moved nothing: the wait starts
+    idleSince_ = now;
+    idleKnown_ = true;
+  }
   if (now >= op_.deadline) onTimeout();
   const auto idleUs =
       std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince_).count();

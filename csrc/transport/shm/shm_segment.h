@@ -191,7 +191,10 @@ class PeerWait {
   Doorbell& mine_;
   const std::vector<int>& localOf_;
   const OpInfo& op_;
+  // When the wait began: the first idle() since the last move (an exchange
+  // that never waits reads no clock).
   Clock::time_point idleSince_;
+  bool idleKnown_ = false;
   int gone_ = -1;  // a peer whose connection closed; fatal if a full pass then moves nothing
   // How far the current wait got (spin, yield, sleep); counted when it ends.
   WaitPolicy::Phase furthest_ = WaitPolicy::Phase::kNone;

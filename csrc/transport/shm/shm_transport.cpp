@@ -137,7 +137,15 @@ class ShmTransport : public Transport {
     const int to = local(s.spec->peer);
     RingControl& c = seg_.control(rank_, to);
     const uint64_t head = c.head.load(std::memory_order_relaxed);
-    const uint64_t room = ringBytes_ - (head - c.tail.load(std::memory_order_acquire));
+    // The consumer's tail as last read: it only grows, so the room it leaves
+    // is there still. Read again (a miss: the consumer's core wrote it) only
+    // when the message does not fit, not once per message.
+    uint64_t& tail = tailSeen_[to];
+    uint64_t room = ringBytes_ - (head - tail);
+    if (room < s.total() - s.done) {
+      tail = c.tail.load(std::memory_order_acquire);
+      room = ringBytes_ - (head - tail);
+    }
     const size_t n = std::min<size_t>(room, s.total() - s.done);
     if (n == 0) return false;
     char* ringBase = seg_.ringData(rank_, to);
@@ -256,6 +264,9 @@ class ShmTransport : public Transport {
   // exchange at a time runs on a transport (its op's thread).
   std::vector<SendState> sendProgress_;
   std::vector<RecvState> recvProgress_;
+  // Per local peer: the tail of the ring to it, as this rank last read it
+  // (progressSend).
+  std::vector<uint64_t> tailSeen_ = std::vector<uint64_t>(size_, 0);
   std::mutex confirmMu_;     // confirm() and abort() may run on different threads
   uint64_t confirmed_ = 0;  // guarded by confirmMu_: the seq of the last op confirmed here
 };
