@@ -1,4 +1,5 @@
-"""Run every CPU batch-norm kernel on fixed inputs and torch.save the outputs.
+"""Run every CPU batch-norm kernel and every reduction kernel on fixed inputs
+and torch.save the outputs.
 
     RINGREDUCE_CPU_AVX2=0 python tests/_kernel_isa_dump.py OUT.pt
 
@@ -8,8 +9,12 @@ compares the two files bit for bit.
 import sys
 
 import torch
+import torch.distributed as dist
 
 from torch_ringreduce import _C
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from test_reduce_kernels import LENGTHS, _cases, _inputs  # noqa: E402
 
 SHAPES = [((37, 131), None), ((6, 5, 67), None), ((4, 19, 7, 9), torch.channels_last),
           ((3, 8, 33, 5), None), ((0, 7), None)]
@@ -36,6 +41,14 @@ def outputs():
             sums = _C.bn_backward_reduce(dy, x, mean)
             dx = _C.bn_backward_elemt(dy, x, mean, invstd, w, sums * 3, pack[0] * 3)
             out[f"{shape} {dtype}"] = [pack, mean, invstd, var, y, rm, rv, sums, dx]
+    for dtype, op in _cases():
+        for reversed_ in (False, True):
+            results = []
+            for n in LENGTHS:
+                got = _inputs(dtype, n, 1)
+                _C._testing.reduce_into(got, _inputs(dtype, n, 2), op, reversed_)
+                results.append(got)
+            out[f"reduce {dtype} {op} reversed={reversed_}"] = results
     return out
 
 

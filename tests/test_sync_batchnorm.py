@@ -591,8 +591,9 @@ def test_compiled_kernels_any_strides(layout, dy_layout):
 
 
 def test_avx2_build_matches_baseline_bitwise(tmp_path):
-    """The AVX2 build of the CPU kernels (picked at run time) gives bit-for-bit the
-    baseline build's results: same code and order of operations, no FMA contraction."""
+    """The AVX2 build of the CPU kernels (picked at run time), batch norm's and the
+    collectives' reductions, gives bit-for-bit the baseline build's results: same
+    code and order of operations, no FMA contraction."""
     dump = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernel_isa_dump.py")
     got = {}
     for flag in ("1", "0"):
@@ -609,7 +610,10 @@ def test_avx2_build_matches_baseline_bitwise(tmp_path):
     assert got["1"].keys() == got["0"].keys()
     for key, tensors in got["1"].items():
         for i, (a, b) in enumerate(zip(tensors, got["0"][key])):
-            assert a.dtype == b.dtype and torch.equal(a, b), f"{key} output {i} differs"
+            # NaN where both builds put one (MIN/MAX of NaN inputs), equal elsewhere.
+            same = (a == b) | (a != a) & (b != b)
+            assert a.dtype == b.dtype and a.shape == b.shape and bool(same.all()), \
+                f"{key} output {i} differs"
 
 
 # ------------------------------------------------------------------ double backward

@@ -82,6 +82,19 @@ void bindInternals(py::module_& m) {
       "streaming: the cores are far apart, and every copy between them is slow); "
       "RuntimeError where a CPU is not in this process's affinity or the limit passed");
 
+  m.def(
+      "_probe_exchange",
+      [](int cpuA, int cpuB, size_t bytes, int rounds, int runs, double limitS) {
+        py::gil_scoped_release release;
+        return ringreduce::shm::probeExchange(cpuA, cpuB, bytes, rounds, runs, limitS);
+      },
+      py::arg("cpu_a"), py::arg("cpu_b"), py::arg("bytes"), py::arg("rounds") = 1000,
+      py::arg("runs") = 5, py::arg("limit_s") = 5.0,
+      "What a 2-rank SUM all-reduce of `bytes` of float32 costs two CPUs with no library "
+      "(csrc/transport/shm/core_probe.h): two threads pinned to them exchange their buffers "
+      "through shared memory and fold them, `rounds` times per run; the microseconds per "
+      "exchange of each run. RuntimeError as _probe_cores");
+
   // Pure ring arithmetic, exposed for unit tests.
   m.def("_even_block", [](size_t count, int parts, int i) {
     auto b = ringreduce::evenBlock(count, parts, i);

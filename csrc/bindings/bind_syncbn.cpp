@@ -6,6 +6,7 @@
 #include <string>
 
 #include "bindings/bindings.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/sync_bn.h"
 #include "ops/sync_batch_norm.h"
 
@@ -110,7 +111,7 @@ void bindSyncBatchNorm(py::module_& m) {
   // Sync batch-norm kernels (contracts in csrc/kernels/sync_bn.h).
   using OptT = std::optional<at::Tensor>;
   m.def("cpu_kernel_isa", &ringreduce::cpuKernelIsa,
-        "'avx2' or 'baseline': which build of the CPU batch-norm kernels runs");
+        "'avx2' or 'baseline': which build of the CPU kernels (batch norm, reductions) runs");
   m.def("bn_stats_pack", &ringreduce::bnStatsPack, py::arg("x"));
   m.def("bn_finalize",
         [](const at::Tensor& pack, double eps, std::optional<at::ScalarType> dtype) {

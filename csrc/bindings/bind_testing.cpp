@@ -13,6 +13,7 @@
 
 #include "bindings/bindings.h"
 #include "common/test_hooks.h"
+#include "kernels/reduce_ops.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/socket.h"
 
@@ -41,6 +42,24 @@ void bindTesting(py::module_& m) {
       "Benchmarks too: bytes of each staging area of the two-step all-reduce in "
       "shared-memory groups created from now on (0: the default); returns the previous value. "
       "Every rank must set the same.");
+
+  t.def(
+      "reduce_into",
+      [](at::Tensor dst, const at::Tensor& src, c10d::ReduceOp::RedOpType op, bool reversed) {
+        TORCH_CHECK_VALUE(dst.is_cpu() && src.is_cpu() && dst.is_contiguous() &&
+                              src.is_contiguous() && dst.scalar_type() == src.scalar_type() &&
+                              dst.numel() == src.numel(),
+                          "reduce_into: two contiguous CPU tensors of one dtype and size");
+        std::string why;
+        ReduceFn fn = reduceFunction(dst.scalar_type(), op, &why);
+        TORCH_CHECK_VALUE(fn != nullptr, why);
+        if (reversed) fn = reversedFunction(fn);
+        fn(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(dst.numel()));
+      },
+      py::arg("dst"), py::arg("src"), py::arg("op"), py::arg("reversed") = false,
+      "One reduction kernel of the build that runs (cpu_kernel_isa()): dst = op(dst, src) "
+      "element by element, or op(src, dst) with reversed; AVG is SUM (the collective "
+      "divides once at the end)");
 
   t.def(
       "broadcast_chain",

@@ -76,8 +76,8 @@ inline constexpr EnvVar kEnvAllreduce{
     false};
 inline constexpr EnvVar kEnvCpuAvx2{
     "RINGREDUCE_CPU_AVX2", "`1`",
-    "`0` runs the baseline (SSE2) build of the CPU batch-norm kernels instead of the AVX2 one "
-    "(bitwise the same results)",
+    "`0` runs the baseline (SSE2) build of the CPU kernels (batch norm, and the reductions "
+    "every CPU collective folds with) instead of the AVX2 one (bitwise the same results)",
     true};
 inline constexpr EnvVar kEnvDebug{"RINGREDUCE_DEBUG", "0",
                                   "`1` logs connection set-up and aborts to stderr", true};

@@ -81,24 +81,13 @@ bool onCuda(const at::Tensor& x, const char* kernel) {
 }
 
 #ifdef RINGREDUCE_CPU_AVX2
-// RINGREDUCE_CPU_AVX2=0 keeps the baseline build of the CPU kernels.
-bool useAvx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && envInt(kEnvCpuAvx2, 1) != 0;
-  return yes;
-}
-#define RR_CPU(name, ...) (useAvx2() ? cpu_avx2::name(__VA_ARGS__) : cpu::name(__VA_ARGS__))
+#define RR_CPU(name, ...) \
+  (cpuKernelsAvx2() ? cpu_avx2::name(__VA_ARGS__) : cpu::name(__VA_ARGS__))
 #else
 #define RR_CPU(name, ...) cpu::name(__VA_ARGS__)
 #endif
 
 }  // namespace
-
-const char* cpuKernelIsa() {
-#ifdef RINGREDUCE_CPU_AVX2
-  if (useAvx2()) return "avx2";
-#endif
-  return "baseline";
-}
 
 #ifdef RINGREDUCE_WITH_CUDA
 #define RR_ROUTE(x, name, ...) \

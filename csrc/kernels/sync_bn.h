@@ -69,8 +69,5 @@ at::Tensor bnBackwardElemt(const at::Tensor& dy, const at::Tensor& x, const at::
                            const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                            const at::Tensor& sums, const at::Tensor& count);
 
-// Which build of the CPU kernels runs: "avx2" (x86-64 with AVX2, unless
-// RINGREDUCE_CPU_AVX2=0) or "baseline". Both give bitwise the same results.
-const char* cpuKernelIsa();
 
 }  // namespace ringreduce

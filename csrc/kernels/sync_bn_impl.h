@@ -3,6 +3,7 @@
 #pragma once
 
 #include "kernels/bn_layout.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/sync_bn.h"
 
 namespace ringreduce {
@@ -33,8 +34,7 @@ namespace cpu {
 RR_SYNC_BN_DECLARATIONS
 }  // namespace cpu
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
-#define RINGREDUCE_CPU_AVX2 1
+#ifdef RINGREDUCE_CPU_AVX2
 // The same CPU kernels built for AVX2 (sync_bn_cpu_avx2.cpp).
 namespace cpu_avx2 {
 RR_SYNC_BN_DECLARATIONS

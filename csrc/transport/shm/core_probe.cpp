@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/reduce_ops.h"
 #include "transport/shm/shm_segment.h"
 
 namespace ringreduce {
@@ -55,6 +56,25 @@ bool spinUntil(Shared& s, Pred pred) {
   return true;
 }
 
+// Joins both threads, then throws what either met, or the time limit.
+void finish(std::thread& a, std::thread& b, const std::string& errorA, const std::string& errorB,
+            const Shared& s, int cpuA, int cpuB, double limitS) {
+  a.join();
+  b.join();
+  if (!errorB.empty()) throw std::runtime_error(errorB);
+  if (!errorA.empty()) throw std::runtime_error(errorA);
+  if (s.stop.load()) {
+    throw std::runtime_error("probe_cores: CPUs " + std::to_string(cpuA) + " and " +
+                             std::to_string(cpuB) + " did not finish within " +
+                             std::to_string(limitS) + " s");
+  }
+}
+
+ProbeClock::time_point deadlineIn(double limitS) {
+  return ProbeClock::now() + std::chrono::duration_cast<ProbeClock::duration>(
+                                 std::chrono::duration<double>(limitS));
+}
+
 }  // namespace
 
 CoreProbe probeCores(int cpuA, int cpuB, size_t pieceBytes, int pieces, double limitS) {
@@ -63,8 +83,7 @@ CoreProbe probeCores(int cpuA, int cpuB, size_t pieceBytes, int pieces, double l
   }
   constexpr int kTrips = 2000, kTripRuns = 3;
   auto s = std::make_unique<Shared>();
-  s->deadline = ProbeClock::now() + std::chrono::duration_cast<ProbeClock::duration>(
-                                        std::chrono::duration<double>(limitS));
+  s->deadline = deadlineIn(limitS);
   // Two slots the writer fills in turn, the source it writes from, the
   // reader's destination.
   std::vector<char> slots(2 * pieceBytes), source(pieceBytes * pieces, 1), sink(pieceBytes);
@@ -148,16 +167,70 @@ CoreProbe probeCores(int cpuA, int cpuB, size_t pieceBytes, int pieces, double l
       s->stop.store(true);
     }
   });
-  writer.join();
-  reader.join();
-  if (!readerError.empty()) throw std::runtime_error(readerError);
-  if (!error.empty()) throw std::runtime_error(error);
-  if (s->stop.load()) {
-    throw std::runtime_error("probe_cores: CPUs " + std::to_string(cpuA) + " and " +
-                             std::to_string(cpuB) + " did not finish within " +
-                             std::to_string(limitS) + " s");
-  }
+  finish(writer, reader, error, readerError, *s, cpuA, cpuB, limitS);
   return out;
+}
+
+std::vector<double> probeExchange(int cpuA, int cpuB, size_t bytes, int rounds, int runs,
+                                  double limitS) {
+  if (cpuA == cpuB || bytes < sizeof(float) || rounds <= 0 || runs <= 0) {
+    throw std::invalid_argument(
+        "probe_exchange: two different CPUs, at least one float32 and some rounds");
+  }
+  const size_t count = bytes / sizeof(float);
+  std::string why;
+  const ReduceFn sum = reduceFunction(c10::ScalarType::Float, c10d::ReduceOp::SUM, &why);
+  // Per side: the area it writes and the other reads, and its two counters
+  // (rounds sent, rounds folded), each on its own line.
+  struct alignas(64) Side {
+    alignas(64) std::atomic<uint64_t> sent{0};
+    alignas(64) std::atomic<uint64_t> folded{0};
+  };
+  auto s = std::make_unique<Shared>();
+  s->deadline = deadlineIn(limitS);
+  auto sides = std::make_unique<Side[]>(2);
+  std::vector<float> areas(2 * count, 0.0f);
+  std::vector<double> perRun;
+  std::string errors[2];
+  const int cpus[2] = {cpuA, cpuB};
+  const auto side = [&](int me) {
+    try {
+      pinTo(cpus[me]);
+      const int peer = 1 - me;
+      std::vector<float> own(count, 0.0f);  // zeros: the sums stay finite
+      float* mine = areas.data() + me * count;
+      const float* theirs = areas.data() + peer * count;
+      uint64_t k = 0;
+      for (int run = 0; run < runs; ++run) {
+        const auto start = ProbeClock::now();
+        for (int i = 0; i < rounds; ++i) {
+          ++k;
+          // The other side has folded this side's area of the last round.
+          if (!spinUntil(*s, [&] { return sides[peer].folded.load(std::memory_order_acquire) + 1 >= k; })) {
+            return;
+          }
+          std::memcpy(mine, own.data(), count * sizeof(float));
+          sides[me].sent.store(k, std::memory_order_release);
+          if (!spinUntil(*s, [&] { return sides[peer].sent.load(std::memory_order_acquire) >= k; })) {
+            return;
+          }
+          sum(own.data(), theirs, count);
+          sides[me].folded.store(k, std::memory_order_release);
+        }
+        if (me == 0) {
+          perRun.push_back(
+              std::chrono::duration<double, std::micro>(ProbeClock::now() - start).count() /
+              rounds);
+        }
+      }
+    } catch (const std::exception& e) {
+      errors[me] = e.what();
+      s->stop.store(true);
+    }
+  };
+  std::thread a(side, 0), b(side, 1);
+  finish(a, b, errors[0], errors[1], *s, cpuA, cpuB, limitS);
+  return perRun;
 }
 
 }  // namespace shm

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 namespace ringreduce {
 namespace shm {
@@ -23,6 +24,16 @@ struct CoreProbe {
 // seconds in all (a pinned thread that is not scheduled), after which it
 // throws.
 CoreProbe probeCores(int cpuA, int cpuB, size_t pieceBytes, int pieces, double limitS);
+
+// What a 2-rank SUM all-reduce of `bytes` of float32 costs these two cores
+// with no library around it: two threads pinned to cpuA and cpuB, each
+// copying its buffer into an area the other reads (plain stores), raising a
+// counter, waiting for the other's, folding the other's area into its own
+// buffer with the backend's SUM kernel and saying so, `rounds` times in a
+// row. The per-exchange microseconds of each of `runs` runs, in order (the
+// writer's clock). The same limit and errors as probeCores.
+std::vector<double> probeExchange(int cpuA, int cpuB, size_t bytes, int rounds, int runs,
+                                  double limitS);
 
 }  // namespace shm
 }  // namespace ringreduce
