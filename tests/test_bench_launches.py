@@ -155,6 +155,22 @@ def test_floor_and_in_place_pass_over_launches(capsys):
             "2 launches: 0.05 / 0.06 / 0.07") in out
     # Under the op's table, before ringreduce's slow launches.
     assert out.index("over the one-rank floor") < out.index("launches over 1.5x")
+    assert "the cores' own exchange" not in out  # no launch probed the cores
+
+
+def test_the_cores_own_exchange_over_launches(capsys):
+    """Launches whose floor probed the cores (2 ranks) give a min / median / max
+    line under the all-reduce table; a launch without it is left out."""
+    docs = [_launch({("ringreduce", 4096): 20.0}, floor={"ringreduce": 3.0})
+            for _ in range(4)]
+    for doc, us in zip(docs, (1.9, 2.4, None, 1.7)):
+        doc["reference"] = {"floor": {"size_bytes": 4096, "cores_exchange_us": us}}
+    assert bench_launches.cores_exchange_line(docs) == (
+        "# the cores' own exchange of 4096 B (two pinned threads, no library), "
+        "min / median / max of 3 launches: 1.7 / 1.9 / 2.4 us")
+    bench_launches.print_table(bench_launches.summarize(docs), docs)
+    assert bench_launches.cores_exchange_line(docs) in capsys.readouterr().out
+    assert bench_launches.cores_exchange_line([{"rows": []}, {"reference": None}]) is None
 
 
 def test_the_json_names_this_scripts_command():

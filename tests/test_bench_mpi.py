@@ -123,6 +123,11 @@ def test_floor_is_measured_alternating_with_the_rows_backends(tmp_path):
     assert code == 0, text
     rows = {(r["backend"], r["size_bytes"]): r for r in doc["rows"]}
     _check_floor(doc, rows, ("ringreduce", "gloo"), text)
+    # At 2 ranks the floor's line is followed by the cores' own exchange of its bytes.
+    cores = doc["reference"]["floor"]["cores_exchange_us"]
+    assert 0 < cores < 1e4, doc["reference"]["floor"]
+    assert f"copying 4096 B of float32 into shared memory and folding the other's, no " \
+           f"library: {cores:.1f} us" in text, text
 
 
 @needs_ringreduce

@@ -329,6 +329,27 @@ def test_the_cores_probe_measures_two_cpus_of_this_process():
         _C._probe_cores(cpus[0], cpus[0])
 
 
+def test_the_exchange_probe_times_an_all_reduce_of_two_pinned_threads():
+    """_C._probe_exchange: one time per run, each positive and growing with the
+    bytes (a 256 KiB exchange moves and folds 64 times the data of a 4 KiB one:
+    it can not be as fast); the caller's affinity stays; bad CPUs raise."""
+    from torch_ringreduce import _C
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    small = _C._probe_exchange(cpus[0], cpus[1], 4096, rounds=200, runs=3, limit_s=60)
+    large = _C._probe_exchange(cpus[0], cpus[1], 256 << 10, rounds=50, runs=3, limit_s=60)
+    assert len(small) == len(large) == 3
+    assert all(0 < t < 1e5 for t in small + large), (small, large)
+    assert min(large) > min(small), (small, large)
+    assert sorted(os.sched_getaffinity(0)) == cpus
+    with pytest.raises(RuntimeError, match=f"CPU {max(cpus) + 1}"):
+        _C._probe_exchange(cpus[0], max(cpus) + 1, 4096)
+    with pytest.raises(ValueError, match="two different CPUs"):
+        _C._probe_exchange(cpus[0], cpus[0], 4096)
+
+
 FOLD_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8,
                torch.complex128]
 FOLD_COUNTS = [1, 3, 1_023, 4_099, 16_411]

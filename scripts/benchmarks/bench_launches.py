@@ -156,6 +156,20 @@ def reference_lines(rows, backend):
     return lines
 
 
+def cores_exchange_line(docs):
+    """The cores' own cost of the floor's all-reduce (the benchmark's --floor at 2
+    ranks: two pinned threads, no library), min / median / max over the launches
+    that measured it; None where none did."""
+    have = [(d.get("reference") or {}).get("floor") or {} for d in docs]
+    values = [f["cores_exchange_us"] for f in have if f.get("cores_exchange_us") is not None]
+    if not values:
+        return None
+    size = next(f["size_bytes"] for f in have if f.get("cores_exchange_us") is not None)
+    return (f"# the cores' own exchange of {size} B (two pinned threads, no library), "
+            f"min / median / max of {len(values)} launches: {min(values):.1f} / "
+            f"{statistics.median(values):.1f} / {max(values):.1f} us")
+
+
 def print_table(rows, docs):
     ops = sorted({r["op"] for r in rows})
     for op in ops:
@@ -175,6 +189,8 @@ def print_table(rows, docs):
         for b in backends:
             for line in reference_lines(mine, b):
                 print(line)
+        if op == "allreduce" and cores_exchange_line(docs):
+            print(cores_exchange_line(docs))
         for b in backends:
             if not b.startswith("ringreduce"):
                 continue

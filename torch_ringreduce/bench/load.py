@@ -316,8 +316,32 @@ class References:
                        time_us_beside_floor_repeats=beside["time_us_repeats"])
             over.append(f"{row['backend']} {row['over_floor_us']:+.1f} "
                         f"({beside['time_us']:.1f})")
-        return [f"{head} {floor_us:.1f} us; over it (us; the median of {args.repeats} "
-                f"paired repeats, the row's median beside it in brackets): {', '.join(over)}"]
+        lines = [f"{head} {floor_us:.1f} us; over it (us; the median of {args.repeats} "
+                 f"paired repeats, the row's median beside it in brackets): {', '.join(over)}"]
+        return lines + self._cores_exchange(op.ctx.n)
+
+    def _cores_exchange(self, n):
+        """At 2 ranks, what the floor's all-reduce costs two of this host's CPUs with
+        no library (torch_ringreduce's _probe_exchange on rank 0, the others waiting):
+        the part of "over the floor" that is the cores' own, measured now."""
+        if n != 2 or self.floor["error"]:
+            return []
+        line = None
+        if self.rank == 0:
+            cpus, nbytes = sorted(os.sched_getaffinity(0)), self.floor["size_bytes"]
+            if len(cpus) >= 2:
+                from torch_ringreduce import _C
+                try:
+                    runs = _C._probe_exchange(cpus[0], cpus[1], nbytes, rounds=1000, runs=6)
+                    self.floor["cores_exchange_us"] = statistics.median(runs[1:])
+                    line = (f"# the cores' own exchange: two threads pinned to CPUs {cpus[0]} "
+                            f"and {cpus[1]} copying {nbytes} B of float32 into shared memory "
+                            f"and folding the other's, no library: "
+                            f"{self.floor['cores_exchange_us']:.1f} us (the median of 5 runs)")
+                except RuntimeError as err:
+                    line = f"# the cores' own exchange: not probed ({err})"
+        dist.barrier()  # the default group: the others wait off the cores meanwhile
+        return [line] if line else []
 
     def after_table(self, rows):
         """Copies again, then busbw / memcpy on every row; the footer lines at the
