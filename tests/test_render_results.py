@@ -75,7 +75,9 @@ def _launches():
         backends = ["ringreduce", "gloo"] if i % 2 == 0 else ["gloo", "ringreduce"]
         launches.append({"environment": _env(launcher="mpirun"), "rows": rows,
                          "args": {"backends": backends, "repeats": 5, "dtype": "float32",
-                                  "device": "cpu"}})
+                                  "device": "cpu"},
+                         "reference": {"floor": {"size_bytes": 4096,
+                                                 "cores_exchange_us": [1.9, 2.4, 1.7][i]}}})
     given = ["--launches", "3", "--json", os.path.join(ROOT, "results", "launches_np2.json"),
              "--", "--nproc", "2", "--backends", "ringreduce", "gloo", "--floor", "--memcpy"]
     return {"bench_args": given[given.index("--") + 1:],
@@ -184,6 +186,8 @@ def test_launches_spread_floor_and_in_place_pass(page):
     assert "| busbw / in-place pass at 1 MiB | 0.410 / 0.430 / 0.450 | " \
            "0.0200 / 0.0250 / 0.0300 |" in text
     assert "4096 B launch 2 1.82x (gloo 1.09x)" in text
+    assert "The cores' own exchange of 4 KiB (two threads pinned" in text
+    assert "min / median / max over 3 launches: 1.70 / 1.90 / 2.40 µs." in text
     assert "python -m scripts.benchmarks.bench_launches --launches 3 --json " \
            "results/launches_np2.json -- --nproc 2 --backends ringreduce gloo" in text
     assert "mpirun" not in text  # the launches' launcher is not this command's

@@ -156,15 +156,23 @@ def reference_lines(rows, backend):
     return lines
 
 
-def cores_exchange_line(docs):
-    """The cores' own cost of the floor's all-reduce (the benchmark's --floor at 2
-    ranks: two pinned threads, no library), min / median / max over the launches
-    that measured it; None where none did."""
-    have = [(d.get("reference") or {}).get("floor") or {} for d in docs]
-    values = [f["cores_exchange_us"] for f in have if f.get("cores_exchange_us") is not None]
-    if not values:
+def cores_exchange(docs):
+    """(bytes, [us of each launch that measured it]) of the cores' own cost of the
+    floor's all-reduce (the benchmark's --floor at 2 ranks: two pinned threads, no
+    library), or None where no launch did."""
+    have = [f for f in ((d.get("reference") or {}).get("floor") or {} for d in docs)
+            if f.get("cores_exchange_us") is not None]
+    if not have:
         return None
-    size = next(f["size_bytes"] for f in have if f.get("cores_exchange_us") is not None)
+    return have[0]["size_bytes"], [f["cores_exchange_us"] for f in have]
+
+
+def cores_exchange_line(docs):
+    """cores_exchange's min / median / max over launches, as a line; None without it."""
+    found = cores_exchange(docs)
+    if found is None:
+        return None
+    size, values = found
     return (f"# the cores' own exchange of {size} B (two pinned threads, no library), "
             f"min / median / max of {len(values)} launches: {min(values):.1f} / "
             f"{statistics.median(values):.1f} / {max(values):.1f} us")

@@ -354,6 +354,8 @@ def render_launches(docs):
             out += [f"**{op}**, time per call (µs) over launches:", ""]
             out += _launch_times(mine, backends)
             out += _launch_references(mine, backends)
+            if op == "allreduce":
+                out += _launch_cores(d["launches"])
             out += _launch_slow(rows, op, backends)
     return out
 
@@ -401,6 +403,21 @@ def _launch_references(rows, backends):
         return []
     return ["Each launch's reference figures, min / median / max over the launches:",
             ""] + table(["", *backends], body)
+
+
+def _launch_cores(launches):
+    """The cores' own exchange of the floor's bytes over the launches that probed it
+    (bench_launches.cores_exchange): the hardware's part of "over the floor"."""
+    found = bench_launches.cores_exchange(launches)
+    if found is None:
+        return []
+    size, values = found
+    return [f"The cores' own exchange of {size_label(size)} (two threads pinned to two CPUs "
+            "copying it into shared memory and folding each other's, no library; "
+            "[Method](method.md#reference-points)), min / median / max over "
+            f"{len(values)} launches: "
+            + " / ".join(num(v) for v in (min(values), statistics.median(values), max(values)))
+            + " µs.", ""]
 
 
 def _launch_slow(rows, op, backends):
