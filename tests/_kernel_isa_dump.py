@@ -9,7 +9,6 @@ compares the two files bit for bit.
 import sys
 
 import torch
-import torch.distributed as dist
 
 from torch_ringreduce import _C
 

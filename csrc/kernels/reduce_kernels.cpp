@@ -18,7 +18,6 @@ namespace ringreduce {
 namespace RR_REDUCE_KERNELS {
 namespace {
 
-
 using Op = c10d::ReduceOp::RedOpType;
 
 struct Sum { template <typename T> T operator()(T a, T b) const { return a + b; } };

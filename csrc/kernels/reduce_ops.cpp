@@ -5,8 +5,7 @@
 #include "kernels/cpu_isa.h"
 #include "kernels/reduce_kernels.h"
 
-#include <algorithm>
-#include <type_traits>
+#include <string>
 #include <unordered_map>
 
 namespace ringreduce {

@@ -1,5 +1,4 @@
 // Routes the sync batch-norm kernels by device (contracts in sync_bn.h).
-#include "common/env.h"
 #include "kernels/sync_bn_impl.h"
 
 namespace ringreduce {

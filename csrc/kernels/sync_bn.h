@@ -69,5 +69,4 @@ at::Tensor bnBackwardElemt(const at::Tensor& dy, const at::Tensor& x, const at::
                            const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                            const at::Tensor& sums, const at::Tensor& count);
 
-
 }  // namespace ringreduce

@@ -197,8 +197,9 @@ def print_table(rows, docs):
         for b in backends:
             for line in reference_lines(mine, b):
                 print(line)
-        if op == "allreduce" and cores_exchange_line(docs):
-            print(cores_exchange_line(docs))
+        cores = cores_exchange_line(docs) if op == "allreduce" else None
+        if cores:
+            print(cores)
         for b in backends:
             if not b.startswith("ringreduce"):
                 continue

@@ -23,14 +23,14 @@ namespace {
 
 using ProbeClock = std::chrono::steady_clock;
 
-void pinTo(int cpu) {
+void pinTo(const char* probe, int cpu) {
   cpu_set_t set;
   CPU_ZERO(&set);
   CPU_SET(cpu, &set);
   const int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
   if (rc != 0) {
-    throw std::runtime_error("probe_cores: cannot run a thread on CPU " + std::to_string(cpu) +
-                             " (" + std::strerror(rc) + ")");
+    throw std::runtime_error(std::string(probe) + ": cannot run a thread on CPU " +
+                             std::to_string(cpu) + " (" + std::strerror(rc) + ")");
   }
 }
 
@@ -57,14 +57,14 @@ bool spinUntil(Shared& s, Pred pred) {
 }
 
 // Joins both threads, then throws what either met, or the time limit.
-void finish(std::thread& a, std::thread& b, const std::string& errorA, const std::string& errorB,
-            const Shared& s, int cpuA, int cpuB, double limitS) {
+void finish(const char* probe, std::thread& a, std::thread& b, const std::string& errorA,
+            const std::string& errorB, const Shared& s, int cpuA, int cpuB, double limitS) {
   a.join();
   b.join();
   if (!errorB.empty()) throw std::runtime_error(errorB);
   if (!errorA.empty()) throw std::runtime_error(errorA);
   if (s.stop.load()) {
-    throw std::runtime_error("probe_cores: CPUs " + std::to_string(cpuA) + " and " +
+    throw std::runtime_error(std::string(probe) + ": CPUs " + std::to_string(cpuA) + " and " +
                              std::to_string(cpuB) + " did not finish within " +
                              std::to_string(limitS) + " s");
   }
@@ -94,7 +94,7 @@ CoreProbe probeCores(int cpuA, int cpuB, size_t pieceBytes, int pieces, double l
   std::string readerError;
   std::thread reader([&] {
     try {
-      pinTo(cpuB);
+      pinTo("probe_cores", cpuB);
     } catch (const std::exception& e) {
       readerError = e.what();
       s->stop.store(true);
@@ -126,7 +126,7 @@ CoreProbe probeCores(int cpuA, int cpuB, size_t pieceBytes, int pieces, double l
   std::string error;
   std::thread writer([&] {
     try {
-      pinTo(cpuA);
+      pinTo("probe_cores", cpuA);
       out.roundTripNs = 1e300;
       for (int run = 0; run < kTripRuns && !s->stop.load(); ++run) {
         const auto start = ProbeClock::now();
@@ -167,7 +167,7 @@ CoreProbe probeCores(int cpuA, int cpuB, size_t pieceBytes, int pieces, double l
       s->stop.store(true);
     }
   });
-  finish(writer, reader, error, readerError, *s, cpuA, cpuB, limitS);
+  finish("probe_cores", writer, reader, error, readerError, *s, cpuA, cpuB, limitS);
   return out;
 }
 
@@ -195,7 +195,7 @@ std::vector<double> probeExchange(int cpuA, int cpuB, size_t bytes, int rounds, 
   const int cpus[2] = {cpuA, cpuB};
   const auto side = [&](int me) {
     try {
-      pinTo(cpus[me]);
+      pinTo("probe_exchange", cpus[me]);
       const int peer = 1 - me;
       std::vector<float> own(count, 0.0f);  // zeros: the sums stay finite
       float* mine = areas.data() + me * count;
@@ -206,12 +206,18 @@ std::vector<double> probeExchange(int cpuA, int cpuB, size_t bytes, int rounds, 
         for (int i = 0; i < rounds; ++i) {
           ++k;
           // The other side has folded this side's area of the last round.
-          if (!spinUntil(*s, [&] { return sides[peer].folded.load(std::memory_order_acquire) + 1 >= k; })) {
+          const auto areaFree = [&] {
+            return sides[peer].folded.load(std::memory_order_acquire) + 1 >= k;
+          };
+          const auto peerSent = [&] {
+            return sides[peer].sent.load(std::memory_order_acquire) >= k;
+          };
+          if (!spinUntil(*s, areaFree)) {
             return;
           }
           std::memcpy(mine, own.data(), count * sizeof(float));
           sides[me].sent.store(k, std::memory_order_release);
-          if (!spinUntil(*s, [&] { return sides[peer].sent.load(std::memory_order_acquire) >= k; })) {
+          if (!spinUntil(*s, peerSent)) {
             return;
           }
           sum(own.data(), theirs, count);
@@ -229,7 +235,7 @@ std::vector<double> probeExchange(int cpuA, int cpuB, size_t bytes, int rounds, 
     }
   };
   std::thread a(side, 0), b(side, 1);
-  finish(a, b, errors[0], errors[1], *s, cpuA, cpuB, limitS);
+  finish("probe_exchange", a, b, errors[0], errors[1], *s, cpuA, cpuB, limitS);
   return perRun;
 }
 
