@@ -35,6 +35,10 @@ def test_launches_and_their_spread(tmp_path):
                    if x["backend"] == backend and x["size_bytes"] == size)
               for launch in doc["launches"]]
         assert r["time_us_by_launch"] == ts
+        assert r["cpu_by_launch"] == [
+            next(x["cpu"] for x in launch["rows"]
+                 if x["backend"] == backend and x["size_bytes"] == size)
+            for launch in doc["launches"]]
         assert (r["min_us"], r["median_us"], r["max_us"]) == (min(ts), statistics.median(ts),
                                                             max(ts))
         assert r["max_over_median"] == pytest.approx(max(ts) / statistics.median(ts))
@@ -88,6 +92,23 @@ def test_slow_launches_name_the_other_backends_in_the_same_launch():
     assert bench_launches.shared_slow_launches(rows, "allreduce", "mpi") == [
         "4096 B launch 2 4.00x (ringreduce 4.00x)", "65536 B launch 1 3.00x (ringreduce 1.25x)"]
     assert bench_launches.shared_slow_launches(rows, "broadcast", "ringreduce") == []
+
+
+def test_slow_launches_say_how_their_ranks_spent_the_cpu():
+    """With the rows' CPU readings (the rank that ran least in each launch's
+    median repeat), a slow launch's entry shows its own beside the median
+    launch's; a launch without them (an older JSON) shows none."""
+    ok = {"ran": 1.0, "waited": 0.0, "off": 0.0, "threads": 0.01}
+    lost = {"ran": 0.45, "waited": 0.5, "off": 0.05, "threads": None}
+    rows = [{"op": "allreduce", "backend": "ringreduce", "size_bytes": 4096,
+             "median_us": 10.0, "time_us_by_launch": [10.0, 9.0, 30.0, 11.0],
+             "cpu_by_launch": [ok, ok, lost, None]}]
+    assert bench_launches.shared_slow_launches(rows, "allreduce", "ringreduce") == [
+        "4096 B launch 2 3.00x (CPU ran 45 / waited 50 / off 5 / threads ? % against "
+        "ran 100 / waited 0 / off 0 / threads 1 % in the median launch)"]
+    rows[0]["cpu_by_launch"] = [ok, ok, lost, None][::-1]
+    assert bench_launches.shared_slow_launches(rows, "allreduce", "ringreduce") == [
+        "4096 B launch 2 3.00x"]
 
 
 def test_the_cores_probe_of_a_launch():

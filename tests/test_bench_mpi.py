@@ -22,6 +22,7 @@ import pytest
 
 from torch_ringreduce.bench import load as bl
 from torch_ringreduce.bench import mpi as bm
+from torch_ringreduce.bench import sweep
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -123,6 +124,17 @@ def test_floor_is_measured_alternating_with_the_rows_backends(tmp_path):
     assert code == 0, text
     rows = {(r["backend"], r["size_bytes"]): r for r in doc["rows"]}
     _check_floor(doc, rows, ("ringreduce", "gloo"), text)
+    # Every repeat says how each rank's calling thread spent it, and the row the
+    # rank that ran least in its median repeat.
+    for row in rows.values():
+        assert len(row["cpu_repeats"]) == len(row["time_us_repeats"]) == 4, row
+        for entry in row["cpu_repeats"]:
+            assert set(entry) == {"ran", "waited", "threads"}, entry
+            assert all(len(v) == 2 and all(0 <= x < 1.5 for x in v) for v in entry.values())
+        middle = sorted(range(4), key=row["time_us_repeats"].__getitem__)[1]
+        assert row["cpu"] == sweep.least_ran(row["cpu_repeats"][middle]), row
+    assert "ringreduce calling threads in the timed loops" in text, text
+    assert "gloo calling threads in the timed loops" in text, text
     # At 2 ranks the floor's line is followed by the cores' own exchange of its bytes.
     cores = doc["reference"]["floor"]["cores_exchange_us"]
     assert 0 < cores < 1e4, doc["reference"]["floor"]

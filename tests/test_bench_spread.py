@@ -24,7 +24,7 @@ def _sweep(monkeypatch, spread, slow_call=None):
     order of the timed loops, and the rows (call number `slow_call` takes 100x)."""
     calls = []
 
-    def timed(op, group, iters):
+    def timed(op, group, iters, cpu=None):
         calls.append((op.count, group))
         return 1e-4 if len(calls) == slow_call else 1e-6
 

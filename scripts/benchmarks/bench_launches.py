@@ -19,7 +19,12 @@ stores: plain far below streaming means the cores sat far apart on the host,
 where every copy between them is slow), and each of its launches over SLOW x
 its median with what the other backends took in that same launch over their
 own medians (a slow launch shared by every stack is the machine's, not the
-backend's). With the benchmark's --floor and --memcpy, per backend also the min /
+backend's) and how its ranks' calling threads spent that launch's median
+repeat beside the median launch's (the rank that ran least: % of the loop it
+ran, waited for a CPU another task had, was off one, and its process's other
+threads ran: a slow launch whose ranks waited for a CPU lost it to another
+task; one whose ranks were off a CPU slept, which the wait summary's slept
+count says, or lost their CPU to the hypervisor). With the benchmark's --floor and --memcpy, per backend also the min /
 median / max over launches of the time over the one-rank floor at the smallest
 size and of busbw / in-place pass at the largest.
 --json writes every launch's rows and the summary, with the first launch's
@@ -78,14 +83,17 @@ def launch(argv, path):
 
 
 def spread(docs):
-    """{(op, backend, size): [time_us per launch]} and the waits per launch."""
-    times = {}
+    """{(op, backend, size): [time_us per launch]}, and {same key: [the row's
+    "cpu" per launch]} (how the calling threads spent the row's median repeat;
+    None where a launch lacks it)."""
+    times, cpu = {}, {}
     for doc in docs:
         for row in doc["rows"]:
             if row["time_us"] is not None:
                 key = (row["op"], row["backend"], row["size_bytes"])
                 times.setdefault(key, []).append(row["time_us"])
-    return times
+                cpu.setdefault(key, []).append(row.get("cpu"))
+    return times, cpu
 
 
 # Row keys some launches carry: --floor's (the smallest all-reduce rows) and --memcpy's.
@@ -106,7 +114,7 @@ def by_launch(docs, key):
 
 
 def summarize(docs):
-    times = spread(docs)
+    times, cpu = spread(docs)
     measured = {key: by_launch(docs, key) for key in MEASURED}
     out = []
     for (op, backend, size), ts in sorted(times.items()):
@@ -115,7 +123,8 @@ def summarize(docs):
         row = {"op": op, "backend": backend, "size_bytes": size, "launches": len(ts),
                "min_us": min(ts), "median_us": med, "max_us": max(ts),
                "max_over_median": max(ts) / med if med else None,
-               "slowest_launch": slowest, "time_us_by_launch": ts}
+               "slowest_launch": slowest, "time_us_by_launch": ts,
+               "cpu_by_launch": cpu[(op, backend, size)]}
         for key in MEASURED:
             values = measured[key].get((op, backend, size))
             if values:
@@ -228,22 +237,39 @@ SLOW = 1.5  # a launch's row over this times the row's median is a slow launch
 
 
 def shared_slow_launches(rows, op, backend):
-    """'SIZE B launch I R.RRx (other R.RRx, ...)' for every launch of `backend`'s
-    rows of `op` over SLOW times the row's median, with the other backends'
-    time in that launch over their own median."""
+    """'SIZE B launch I R.RRx (other R.RRx, ...; CPU ...)' for every launch of
+    `backend`'s rows of `op` over SLOW times the row's median, with the other
+    backends' time in that launch over their own median and how our calling
+    threads spent that launch's median repeat (cpu_text) beside the median
+    launch's: a slow launch shared by every stack, or whose ranks waited for a
+    CPU another task had, is the machine's."""
     mine = {r["size_bytes"]: r for r in rows if r["op"] == op and r["backend"] == backend}
     others = [r for r in rows if r["op"] == op and r["backend"] != backend]
     out = []
     for size, r in sorted(mine.items()):
-        for i, t in enumerate(r["time_us_by_launch"]):
+        ts = r["time_us_by_launch"]
+        cpu = r.get("cpu_by_launch") or [None] * len(ts)
+        middle = sorted(range(len(ts)), key=ts.__getitem__)[(len(ts) - 1) // 2]
+        for i, t in enumerate(ts):
             if not r["median_us"] or t / r["median_us"] <= SLOW:
                 continue
             theirs = [f"{o['backend']} {o['time_us_by_launch'][i] / o['median_us']:.2f}x"
                       for o in others if o["size_bytes"] == size and o["median_us"]
                       and i < len(o["time_us_by_launch"])]
+            if cpu[i] and cpu[middle]:
+                theirs.append(f"CPU {cpu_text(cpu[i])} against {cpu_text(cpu[middle])} in "
+                              f"the median launch")
             out.append(f"{size} B launch {i} {t / r['median_us']:.2f}x"
-                       + (f" ({', '.join(theirs)})" if theirs else ""))
+                       + (f" ({'; '.join(theirs)})" if theirs else ""))
     return out
+
+
+def cpu_text(share):
+    """'ran R / waited W / off F / threads T %' of a row's "cpu" (the rank that ran
+    least in its median repeat: its calling thread ran, waited for a CPU, was off
+    one, its process's other threads ran; torch_ringreduce.bench)."""
+    return " / ".join(f"{k} " + ("?" if share.get(k) is None else f"{100 * share[k]:.0f}")
+                      for k in ("ran", "waited", "off", "threads")) + " %"
 
 
 def _stores_at(stores, size):

@@ -428,7 +428,9 @@ def _launch_slow(rows, op, backends):
         if b.startswith("ringreduce"):
             slow = bench_launches.shared_slow_launches(rows, op, b)
             out += [f"{b}'s launches over {bench_launches.SLOW:g}x their row's median "
-                    "(numbered from 0; the others in the same launch over theirs): "
+                    "(numbered from 0; the others in the same launch over theirs, and how our "
+                    "ranks' calling threads spent that launch's median repeat beside the "
+                    "median launch's: [Method](method.md#side-by-side-as-ratios)): "
                     + ("; ".join(slow) if slow else "none") + ".", ""]
     return out
 

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import functools
 import importlib
+import math
 import multiprocessing
 import os
 import platform
@@ -199,12 +200,47 @@ def agree(value, op, group=None):
     return cell.item()
 
 
+def agree_rows(values, group=None):
+    """Every rank's list of floats (the same length on every rank), in rank order."""
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [t.tolist() for t in every]
+
+
 def agree_max(value, group=None):
     return agree(value, dist.ReduceOp.MAX, group)
 
 
 def agree_sum(value, group=None):
     return agree(value, dist.ReduceOp.SUM, group)
+
+
+# ---------------------------------------------------------------- the CPU a loop had
+
+def thread_sched():
+    """(ns the calling thread has run, ns it has waited runnable for a CPU, ns
+    the process's threads have run): the thread's and the process's CPU clocks
+    (exact, where schedstat's run time lags by up to a tick) and the second
+    field of /proc/thread-self/schedstat (Linux; complete while the thread
+    runs: the kernel adds a wait when it ends). None where unreadable."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            waited = int(f.read().split()[1])
+        return time.thread_time_ns(), waited, time.process_time_ns()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_shares(before, after, seconds):
+    """(ran, waited, threads): the fractions of `seconds` the thread ran and
+    waited runnable, and the process's other threads ran, between two
+    thread_sched() readings. The rest of the thread's time it was off a CPU
+    (asleep, or its CPU taken by the hypervisor). NaNs where unknown."""
+    if before is None or after is None or seconds <= 0:
+        return math.nan, math.nan, math.nan
+    ran, waited, process = ((b - a) / 1e9 / seconds for a, b in zip(before, after))
+    return ran, waited, max(0.0, process - ran)
 
 
 # ---------------------------------------------------------------- sizes

@@ -7,6 +7,7 @@ measuring and the groups from here.
 import contextlib
 import datetime
 import json
+import math
 import os
 import statistics
 import time
@@ -24,15 +25,29 @@ RATIO_W = 16
 
 # ------------------------------------------------------------ measuring
 
-def timed_loop(op, group, iters):
-    """Seconds per iteration on the slowest rank (a collective result)."""
+def timed_loop(op, group, iters, cpu=None):
+    """Seconds per iteration on the slowest rank (a collective result). `cpu`, a
+    list, gets how each rank's calling thread spent the loop: {"ran": [...],
+    "waited": [...], "threads": [...]}, fractions of the loop by rank: the
+    thread ran, waited for a CPU, the process's other threads ran
+    (harness.cpu_shares; None where unknown)."""
     call = bu.bind(op, group)
     dist.barrier()  # default group: gloo, control traffic only
+    before = bu.thread_sched()
     start = time.perf_counter()
     for _ in range(iters):
         call()
     bu.synchronize(op.ctx.device)
-    return bu.agree_max((time.perf_counter() - start) / iters)
+    seconds = time.perf_counter() - start
+    every = bu.agree_rows([seconds, *bu.cpu_shares(before, bu.thread_sched(), seconds)])
+    if cpu is not None:
+        cpu.append({key: [_share(r[i]) for r in every]
+                    for i, key in enumerate(("ran", "waited", "threads"), 1)})
+    return max(r[0] for r in every) / iters
+
+
+def _share(x):
+    return None if math.isnan(x) else round(x, 4)
 
 
 def plan(op, group, args):
@@ -116,27 +131,90 @@ class SizeRow:
         self.plans = {b: attempt(self.rows[b], plan, self.op_of[b], g, args)
                       for b, g in groups.items()}
         self.reps = {b: [] for b in groups}
+        self.cpu = {b: [] for b in groups}
 
     def time_repeat(self, rep):
         for b in list(self.groups)[::1 if rep % 2 == 0 else -1]:
             if self.plans[b]:
                 self.reps[b].append(attempt(self.rows[b], timed_loop, self.op_of[b],
-                                            self.groups[b], self.plans[b][0]))
+                                            self.groups[b], self.plans[b][0], self.cpu[b]))
 
     def finish(self, checker=check):
         for b, group in self.groups.items():
             wrong = attempt(self.rows[b], checker, self.op_of[b], group, not self.args.no_check)
             if not self.rows[b]["error"]:
-                fill_row(self.rows[b], self.op_of[b], self.reps[b], self.plans[b], wrong)
+                fill_row(self.rows[b], self.op_of[b], self.reps[b], self.plans[b], wrong,
+                         self.cpu[b])
         return list(self.rows.values())
 
 
-def fill_row(row, op, reps, plan_, wrong):
+def fill_row(row, op, reps, plan_, wrong, cpu=()):
     seconds = statistics.median(reps)
     algbw = row["size_bytes"] / seconds / 1e9
     row.update(time_us=seconds * 1e6, algbw_GBps=algbw, busbw_GBps=algbw * op.bus_factor(),
                wrong=wrong, iters=plan_[0], warmup=plan_[1],
                time_us_repeats=[t * 1e6 for t in reps])
+    if len(cpu) == len(reps):
+        middle = sorted(range(len(reps)), key=reps.__getitem__)[(len(reps) - 1) // 2]
+        row.update(cpu_repeats=list(cpu), cpu=least_ran(cpu[middle]))
+
+
+def least_ran(entry):
+    """Of one timed loop's CPU by rank (timed_loop's `cpu`), the rank whose calling
+    thread ran the smallest part of it: {"rank", "ran", "waited", "off",
+    "threads"} (off: the rest of the loop, asleep or its CPU taken by the
+    hypervisor; threads: the process's other threads ran), or None."""
+    known = [r for r, x in enumerate(entry["ran"]) if x is not None]
+    if not known:
+        return None
+    rank = min(known, key=entry["ran"].__getitem__)
+    ran, waited = entry["ran"][rank], entry["waited"][rank]
+    return {"rank": rank, "ran": ran, "waited": waited,
+            "off": round(max(0.0, 1.0 - ran - waited), 4),
+            "threads": (entry.get("threads") or [None] * (rank + 1))[rank]}
+
+
+SLOW = 1.5  # a repeat over this times its row's median is a slow repeat
+
+
+def cpu_lines(rows, backends, listed=6):
+    """Per backend, a line for the table: how the calling threads spent the timed
+    loops (the rank that ran least in each): the median over the table's repeats,
+    and each repeat over SLOW x its row's median with its own, so a slow repeat
+    says whether its ranks ran (the backend's time), waited for a CPU (another
+    thread had it) or were off one (asleep, or the hypervisor had the CPU)."""
+    lines = []
+    for b in backends:
+        shares, slow = [], []
+        for row in rows:
+            if row["backend"] != b or not row.get("cpu_repeats"):
+                continue
+            for i, (t, entry) in enumerate(zip(row["time_us_repeats"], row["cpu_repeats"])):
+                least = least_ran(entry)
+                if least is None:
+                    continue
+                shares.append(least)
+                if row["time_us"] and t > SLOW * row["time_us"]:
+                    slow.append((t / row["time_us"], row["size_bytes"], i, least))
+        if not shares:
+            continue
+        typical = sorted(shares, key=lambda s: s["ran"])[(len(shares) - 1) // 2]
+        slow.sort(key=lambda x: -x[0])
+        listed_ = [f"{bu.size_label(size)} #{i} {x:.1f}x {_pct(least)}"
+                   for x, size, i, least in slow[:listed]]
+        if len(slow) > listed:
+            listed_.append(f"{len(slow) - listed} more")
+        lines.append(f"# {b} calling threads in the timed loops (the rank that ran least; "
+                     f"% of the loop it ran / waited for a CPU / was off one / its "
+                     f"process's other threads ran): {_pct(typical)} in the median repeat; "
+                     f"repeats over {SLOW:g}x their row's median: "
+                     + (", ".join(listed_) if listed_ else "none"))
+    return lines
+
+
+def _pct(share):
+    return "/".join("?" if share.get(k) is None else f"{100 * share[k]:.0f}"
+                    for k in ("ran", "waited", "off", "threads"))
 
 
 # ------------------------------------------------------------ groups
@@ -441,7 +519,7 @@ def worker(world, args):
         progress.write(summary(op_rows, list(groups)))
         waits[op_name], lines = wait_summaries(ctx, groups)
         cores[op_name], more = cores_probe(ctx, groups)
-        for line in lines + more:
+        for line in cpu_lines(op_rows, list(groups)) + lines + more:
             progress.write(line)
         for text in refs.after_table(op_rows):
             progress.write(text)
