@@ -181,3 +181,57 @@ def _pending(ctx):
 def test_wait_for_pending_works_waits_for_every_op(worlds):
     for rank, out in enumerate(worlds.run(2, _pending)):
         assert out == {"done": True, "sum": 2.0}, (rank, out)
+
+
+def _blocking_calls(ctx):
+    """A blocking call (asyncOp false, as dist.all_reduce(async_op=False) passes)
+    is finished and raised in C++ and returns no Work; an async one returns its
+    Work; under allow_inflight_collective_as_graph_input (where torch registers
+    the Works of collectives in flight) a blocking call returns its Work, done."""
+    c10d = torch._C._distributed_c10d
+    group = dist.new_group(backend="ringreduce")
+    out = {}
+    for name, flag, async_op in (("blocking", False, False), ("async", False, True),
+                                 ("in flight", True, False)):
+        t = torch.full((1000,), float(ctx.rank + 1))
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = async_op
+        c10d._set_allow_inflight_collective_as_graph_input(flag)
+        try:
+            work = group.allreduce([t], opts)
+        finally:
+            c10d._set_allow_inflight_collective_as_graph_input(False)
+        done = None if work is None else work.is_completed()
+        if flag:  # waits for the registered Work and unregisters it
+            registered = c10d._get_work_registry_size()
+            torch.ops._c10d_functional.wait_tensor(t)
+            done = done and registered == 1 and c10d._get_work_registry_size() == 0
+        elif work is not None:
+            work.wait()
+        out[name] = (work is None, done, t)
+    # A blocking call that fails raises at the call, with the op's own error.
+    bad = dist.AllreduceOptions()
+    bad.asyncOp = False
+    try:
+        group.allreduce([torch.ones(8 if ctx.rank == 0 else 9)], bad)
+        out["raised"] = None
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        out["raised"] = str(err)
+    return out
+
+
+def test_blocking_calls_return_no_work(fresh_world):
+    results = fresh_world(2).run(_blocking_calls, timeout=60)
+    want = torch.full((1000,), 3.0)
+    for rank, out in enumerate(results):
+        none, done, t = out["blocking"]
+        assert none and done is None, (rank, out)
+        torch.testing.assert_close(t, want)
+        none, _, t = out["async"]
+        assert not none, (rank, out)
+        torch.testing.assert_close(t, want)
+        none, done, t = out["in flight"]
+        assert not none and done, (rank, out)
+        torch.testing.assert_close(t, want)
+        assert out["raised"] and f"rank {rank}/2] allreduce#4" in out["raised"], (rank, out)
+        assert "element count mismatch" in out["raised"], (rank, out)

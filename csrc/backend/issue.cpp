@@ -5,6 +5,7 @@
 #include "backend/backend.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "common/test_hooks.h"
 #include "transport/mesh.h"
@@ -93,6 +94,17 @@ c10::intrusive_ptr<c10d::Work> Backend::enqueue(OpInfo op, std::chrono::millisec
   track(work);
   executor_.submit(OpExecutor::Entry{std::move(op), effective(opTimeout), work, std::move(run)},
                    asyncOp);
+  // A blocking call (c10d passes asyncOp false for dist.all_reduce(...,
+  // async_op=False) and the like) is finished here, its error raised here,
+  // and returns no Work: torch's Python skips wait() when a backend has
+  // synced in C++, so no Work object is made for Python and no wait() call
+  // comes back into the backend. Where torch registers the Works of
+  // collectives in flight (allow_inflight_collective_as_graph_input) it needs
+  // the Work, and gets it.
+  if (!asyncOp && !c10d::allow_inflight_collective_as_graph_input()) {
+    work->wait();
+    return {};
+  }
   return work;
 }
 

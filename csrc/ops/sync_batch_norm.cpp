@@ -42,7 +42,8 @@ void allReduceSum(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at:
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.asyncOp = false;
-  group->allreduce(tensors, opts)->wait();
+  // A backend may finish a blocking call before it returns, and return no Work.
+  if (auto work = group->allreduce(tensors, opts)) work->wait();
 }
 
 at::Tensor toStat(const at::Tensor& t, c10::ScalarType dtype) {
