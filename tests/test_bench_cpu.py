@@ -42,7 +42,7 @@ def test_a_thread_sharing_its_cpu_with_a_busy_process_runs_about_half_and_waits_
     try:
         os.sched_setaffinity(0, {cpu})
         _spin(0.2)  # the rival is up and running
-        ran, waited, _ = _shares(lambda: _spin(1.0))
+        ran, waited, _, _ = _shares(lambda: _spin(1.0))
     finally:
         os.sched_setaffinity(0, mine)
         rival.kill()
@@ -56,9 +56,10 @@ def test_a_thread_sharing_its_cpu_with_a_busy_process_runs_about_half_and_waits_
 
 @needs_schedstat
 def test_a_sleeping_thread_is_off_its_cpu_and_a_spinning_one_runs():
-    ran, waited, threads = _shares(lambda: time.sleep(0.3))
+    ran, waited, threads, steal = _shares(lambda: time.sleep(0.3))
     assert ran < 0.1 and waited < 0.1 and threads < 0.1, (ran, waited, threads)
-    ran, waited, _ = _shares(lambda: _spin(0.3))
+    assert 0 <= steal <= len(os.sched_getaffinity(0)), steal
+    ran, waited, _, _ = _shares(lambda: _spin(0.3))
     assert ran + waited > 0.9 and ran <= 1.05, (ran, waited)
 
 
@@ -77,7 +78,7 @@ def test_the_process_s_other_threads_are_counted_apart():
     worker.start()
     try:
         time.sleep(0.05)
-        ran, _, threads = _shares(lambda: time.sleep(0.5))
+        ran, _, threads, _ = _shares(lambda: time.sleep(0.5))
     finally:
         stop.set()
         worker.join()
@@ -86,26 +87,28 @@ def test_the_process_s_other_threads_are_counted_apart():
 
 
 def test_unknown_readings_give_nan_and_none():
-    assert all(x != x for x in bu.cpu_shares(None, (1, 2, 3), 1.0))
+    assert all(x != x for x in bu.cpu_shares(None, (1, 2, 3, 4), 1.0))
     assert sweep._share(float("nan")) is None
     assert sweep.least_ran({"ran": [None, None], "waited": [None, None]}) is None
 
 
 def test_the_rank_that_ran_least_and_the_slow_repeats_line():
-    entry = {"ran": [0.98, 0.52], "waited": [0.01, 0.4], "threads": [0.0, 0.03]}
+    entry = {"ran": [0.98, 0.52], "waited": [0.01, 0.4], "threads": [0.0, 0.03],
+             "steal": [0.05, 0.05]}
     assert sweep.least_ran(entry) == {"rank": 1, "ran": 0.52, "waited": 0.4, "off": 0.08,
-                                      "threads": 0.03}
-    fast = {"ran": [1.0, 0.99], "waited": [0.0, 0.01], "threads": [0.0, 0.0]}
+                                      "threads": 0.03, "steal": 0.05}
+    fast = {"ran": [1.0, 0.99], "waited": [0.0, 0.01], "threads": [0.0, 0.0],
+            "steal": [0.0, 0.0]}
     rows = [{"backend": "ringreduce", "size_bytes": 16384, "time_us": 20.0,
              "time_us_repeats": [20.0, 45.0, 19.0], "cpu_repeats": [fast, entry, fast]},
             {"backend": "gloo", "size_bytes": 16384, "time_us": 900.0,
              "time_us_repeats": [900.0], "cpu_repeats": [
-                 {"ran": [0.05, 0.06], "waited": [0.02, 0.01], "threads": [0.6, 0.5]}]},
+                 {"ran": [0.05, 0.06], "waited": [0.02, 0.01], "threads": [0.6, 0.5]}]},  # no steal
             {"backend": "mpi", "size_bytes": 16384, "time_us": 9.0,
              "time_us_repeats": [9.0]}]  # no CPU readings: no line
     lines = sweep.cpu_lines(rows, ["ringreduce", "gloo", "mpi"])
     assert len(lines) == 2, lines
-    assert lines[0].endswith("99/1/0/0 in the median repeat; repeats over 1.5x their row's "
-                             "median: 16K #1 2.2x 52/40/8/3"), lines[0]
-    assert lines[1].endswith("5/2/93/60 in the median repeat; repeats over 1.5x their row's "
+    assert lines[0].endswith("99/1/0/0/0 in the median repeat; repeats over 1.5x their row's "
+                             "median: 16K #1 2.2x 52/40/8/3/5"), lines[0]
+    assert lines[1].endswith("5/2/93/60/? in the median repeat; repeats over 1.5x their row's "
                              "median: none"), lines[1]

@@ -98,14 +98,14 @@ def test_slow_launches_say_how_their_ranks_spent_the_cpu():
     """With the rows' CPU readings (the rank that ran least in each launch's
     median repeat), a slow launch's entry shows its own beside the median
     launch's; a launch without them (an older JSON) shows none."""
-    ok = {"ran": 1.0, "waited": 0.0, "off": 0.0, "threads": 0.01}
-    lost = {"ran": 0.45, "waited": 0.5, "off": 0.05, "threads": None}
+    ok = {"ran": 1.0, "waited": 0.0, "off": 0.0, "threads": 0.01, "steal": 0.0}
+    lost = {"ran": 0.45, "waited": 0.5, "off": 0.05, "threads": None, "steal": 0.02}
     rows = [{"op": "allreduce", "backend": "ringreduce", "size_bytes": 4096,
              "median_us": 10.0, "time_us_by_launch": [10.0, 9.0, 30.0, 11.0],
              "cpu_by_launch": [ok, ok, lost, None]}]
     assert bench_launches.shared_slow_launches(rows, "allreduce", "ringreduce") == [
-        "4096 B launch 2 3.00x (CPU ran 45 / waited 50 / off 5 / threads ? % against "
-        "ran 100 / waited 0 / off 0 / threads 1 % in the median launch)"]
+        "4096 B launch 2 3.00x (CPU ran 45 / waited 50 / off 5 / threads ? / steal 2 % "
+        "against ran 100 / waited 0 / off 0 / threads 1 / steal 0 % in the median launch)"]
     rows[0]["cpu_by_launch"] = [ok, ok, lost, None][::-1]
     assert bench_launches.shared_slow_launches(rows, "allreduce", "ringreduce") == [
         "4096 B launch 2 3.00x"]

@@ -265,11 +265,12 @@ def shared_slow_launches(rows, op, backend):
 
 
 def cpu_text(share):
-    """'ran R / waited W / off F / threads T %' of a row's "cpu" (the rank that ran
-    least in its median repeat: its calling thread ran, waited for a CPU, was off
-    one, its process's other threads ran; torch_ringreduce.bench)."""
+    """'ran R / waited W / off F / threads T / steal S %' of a row's "cpu" (the
+    rank that ran least in its median repeat: its calling thread ran, waited for
+    a CPU, was off one, its process's other threads ran, the hypervisor stole
+    from the machine, in CPUs; torch_ringreduce.bench)."""
     return " / ".join(f"{k} " + ("?" if share.get(k) is None else f"{100 * share[k]:.0f}")
-                      for k in ("ran", "waited", "off", "threads")) + " %"
+                      for k in ("ran", "waited", "off", "threads", "steal")) + " %"
 
 
 def _stores_at(stores, size):

@@ -220,27 +220,36 @@ def agree_sum(value, group=None):
 
 def thread_sched():
     """(ns the calling thread has run, ns it has waited runnable for a CPU, ns
-    the process's threads have run): the thread's and the process's CPU clocks
-    (exact, where schedstat's run time lags by up to a tick) and the second
-    field of /proc/thread-self/schedstat (Linux; complete while the thread
-    runs: the kernel adds a wait when it ends). None where unreadable."""
+    the process's threads have run, ns the hypervisor has taken from the
+    machine's CPUs): the thread's and the process's CPU clocks (exact, where
+    schedstat's run time lags by up to a tick), the second field of
+    /proc/thread-self/schedstat (complete while the thread runs: the kernel
+    adds a wait when it ends) and the steal field of /proc/stat (in clock
+    ticks, 10 ms). Linux; None where unreadable."""
     try:
         with open("/proc/thread-self/schedstat") as f:
             waited = int(f.read().split()[1])
-        return time.thread_time_ns(), waited, time.process_time_ns()
+        with open("/proc/stat") as f:
+            steal = int(f.readline().split()[8]) * _NS_PER_TICK
+        return time.thread_time_ns(), waited, time.process_time_ns(), steal
     except (OSError, ValueError, IndexError):
         return None
 
 
+_NS_PER_TICK = 10**9 // (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
 def cpu_shares(before, after, seconds):
-    """(ran, waited, threads): the fractions of `seconds` the thread ran and
-    waited runnable, and the process's other threads ran, between two
-    thread_sched() readings. The rest of the thread's time it was off a CPU
-    (asleep, or its CPU taken by the hypervisor). NaNs where unknown."""
+    """(ran, waited, threads, steal): the fractions of `seconds` the thread ran
+    and waited runnable, the process's other threads ran, and the hypervisor
+    took from the machine's CPUs (in CPUs: 0.5 is half of one), between two
+    thread_sched() readings. The rest of the thread's time it was off a CPU:
+    asleep, or its virtual CPU taken (steal says how much, to a tick). NaNs
+    where unknown."""
     if before is None or after is None or seconds <= 0:
-        return math.nan, math.nan, math.nan
-    ran, waited, process = ((b - a) / 1e9 / seconds for a, b in zip(before, after))
-    return ran, waited, max(0.0, process - ran)
+        return math.nan, math.nan, math.nan, math.nan
+    ran, waited, process, steal = ((b - a) / 1e9 / seconds for a, b in zip(before, after))
+    return ran, waited, max(0.0, process - ran), steal
 
 
 # ---------------------------------------------------------------- sizes

@@ -28,9 +28,10 @@ RATIO_W = 16
 def timed_loop(op, group, iters, cpu=None):
     """Seconds per iteration on the slowest rank (a collective result). `cpu`, a
     list, gets how each rank's calling thread spent the loop: {"ran": [...],
-    "waited": [...], "threads": [...]}, fractions of the loop by rank: the
-    thread ran, waited for a CPU, the process's other threads ran
-    (harness.cpu_shares; None where unknown)."""
+    "waited": [...], "threads": [...], "steal": [...]}, fractions of the loop
+    by rank: the thread ran, waited for a CPU, the process's other threads
+    ran, the hypervisor took from the machine's CPUs (harness.cpu_shares; None
+    where unknown)."""
     call = bu.bind(op, group)
     dist.barrier()  # default group: gloo, control traffic only
     before = bu.thread_sched()
@@ -42,7 +43,7 @@ def timed_loop(op, group, iters, cpu=None):
     every = bu.agree_rows([seconds, *bu.cpu_shares(before, bu.thread_sched(), seconds)])
     if cpu is not None:
         cpu.append({key: [_share(r[i]) for r in every]
-                    for i, key in enumerate(("ran", "waited", "threads"), 1)})
+                    for i, key in enumerate(("ran", "waited", "threads", "steal"), 1)})
     return max(r[0] for r in every) / iters
 
 
@@ -162,8 +163,9 @@ def fill_row(row, op, reps, plan_, wrong, cpu=()):
 def least_ran(entry):
     """Of one timed loop's CPU by rank (timed_loop's `cpu`), the rank whose calling
     thread ran the smallest part of it: {"rank", "ran", "waited", "off",
-    "threads"} (off: the rest of the loop, asleep or its CPU taken by the
-    hypervisor; threads: the process's other threads ran), or None."""
+    "threads", "steal"} (off: the rest of the loop, asleep or its CPU taken by
+    the hypervisor, which steal measures for the machine, to a clock tick;
+    threads: the process's other threads ran), or None."""
     known = [r for r, x in enumerate(entry["ran"]) if x is not None]
     if not known:
         return None
@@ -171,7 +173,7 @@ def least_ran(entry):
     ran, waited = entry["ran"][rank], entry["waited"][rank]
     return {"rank": rank, "ran": ran, "waited": waited,
             "off": round(max(0.0, 1.0 - ran - waited), 4),
-            "threads": (entry.get("threads") or [None] * (rank + 1))[rank]}
+            **{k: (entry.get(k) or [None] * (rank + 1))[rank] for k in ("threads", "steal")}}
 
 
 SLOW = 1.5  # a repeat over this times its row's median is a slow repeat
@@ -206,7 +208,8 @@ def cpu_lines(rows, backends, listed=6):
             listed_.append(f"{len(slow) - listed} more")
         lines.append(f"# {b} calling threads in the timed loops (the rank that ran least; "
                      f"% of the loop it ran / waited for a CPU / was off one / its "
-                     f"process's other threads ran): {_pct(typical)} in the median repeat; "
+                     f"process's other threads ran / the hypervisor stole, in CPUs): "
+                     f"{_pct(typical)} in the median repeat; "
                      f"repeats over {SLOW:g}x their row's median: "
                      + (", ".join(listed_) if listed_ else "none"))
     return lines
@@ -214,7 +217,7 @@ def cpu_lines(rows, backends, listed=6):
 
 def _pct(share):
     return "/".join("?" if share.get(k) is None else f"{100 * share[k]:.0f}"
-                    for k in ("ran", "waited", "off", "threads"))
+                    for k in ("ran", "waited", "off", "threads", "steal"))
 
 
 # ------------------------------------------------------------ groups
