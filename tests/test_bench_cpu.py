@@ -108,7 +108,7 @@ def test_the_rank_that_ran_least_and_the_slow_repeats_line():
              "time_us_repeats": [9.0]}]  # no CPU readings: no line
     lines = sweep.cpu_lines(rows, ["ringreduce", "gloo", "mpi"])
     assert len(lines) == 2, lines
-    assert lines[0].endswith("99/1/0/0/0 in the median repeat; repeats over 1.5x their row's "
+    assert lines[0].endswith("99/1/0/0/0 in the typical repeat (the median by the part ran); repeats over 1.5x their row's "
                              "median: 16K #1 2.2x 52/40/8/3/5"), lines[0]
-    assert lines[1].endswith("5/2/93/60/? in the median repeat; repeats over 1.5x their row's "
+    assert lines[1].endswith("5/2/93/60/? in the typical repeat (the median by the part ran); repeats over 1.5x their row's "
                              "median: none"), lines[1]

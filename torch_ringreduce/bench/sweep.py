@@ -181,8 +181,9 @@ SLOW = 1.5  # a repeat over this times its row's median is a slow repeat
 
 def cpu_lines(rows, backends, listed=6):
     """Per backend, a line for the table: how the calling threads spent the timed
-    loops (the rank that ran least in each): the median over the table's repeats,
-    and each repeat over SLOW x its row's median with its own, so a slow repeat
+    loops (the rank that ran least in each): the table's typical repeat (the
+    median by the part ran), and each repeat over SLOW x its row's median with
+    its own, so a slow repeat
     says whether its ranks ran (the backend's time), waited for a CPU (another
     thread had it) or were off one (asleep, or the hypervisor had the CPU)."""
     lines = []
@@ -209,7 +210,7 @@ def cpu_lines(rows, backends, listed=6):
         lines.append(f"# {b} calling threads in the timed loops (the rank that ran least; "
                      f"% of the loop it ran / waited for a CPU / was off one / its "
                      f"process's other threads ran / the hypervisor stole, in CPUs): "
-                     f"{_pct(typical)} in the median repeat; "
+                     f"{_pct(typical)} in the typical repeat (the median by the part ran); "
                      f"repeats over {SLOW:g}x their row's median: "
                      + (", ".join(listed_) if listed_ else "none"))
     return lines
