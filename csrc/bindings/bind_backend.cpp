@@ -81,7 +81,10 @@ void bindBackend(py::module_& m) {
             c10d::AllreduceOptions opts;
             opts.asyncOp = false;
             auto start = std::chrono::steady_clock::now();
-            for (int64_t i = 0; i < iters; ++i) b.allreduce(ts, opts)->wait();
+            // A blocking call is done when it returns (and returns no Work).
+            for (int64_t i = 0; i < iters; ++i) {
+              if (auto work = b.allreduce(ts, opts)) work->wait();
+            }
             return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
                        .count() / iters;
           },
