@@ -100,10 +100,10 @@ c10::intrusive_ptr<c10d::Work> Backend::enqueue(OpInfo op, std::chrono::millisec
   // synced in C++, so no Work object is made for Python and no wait() call
   // comes back into the backend. Where torch registers the Works of
   // collectives in flight (allow_inflight_collective_as_graph_input) it needs
-  // the Work, and gets it.
-  if (!asyncOp && !c10d::allow_inflight_collective_as_graph_input()) {
+  // the Work, and gets it, completed.
+  if (!asyncOp) {
     work->wait();
-    return {};
+    if (!c10d::allow_inflight_collective_as_graph_input()) return {};
   }
   return work;
 }
